@@ -1,0 +1,170 @@
+"""Generate the CustomResourceDefinitions from the pydantic models (the one source of truth).
+
+pydantic emits JSON Schema 2020-12; Kubernetes wants a *structural* OpenAPI v3.0 schema: no ``$ref``,
+``nullable`` instead of ``anyOf: [X, null]``, boolean ``exclusiveMinimum``, no ``title``/``const``.
+``crds/`` holds the output and a test fails when it drifts from the models.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from memfit.api.base import GROUP, VERSION
+from memfit.api.finetunejob import FineTuneJobSpec, FineTuneJobStatus
+from memfit.api.gpupool import GPUPoolSpec
+
+DROPPED_KEYWORDS = {"title", "$defs", "examples"}
+
+
+def to_structural(schema: dict[str, Any], definitions: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Convert one pydantic JSON Schema node (and its children) to Kubernetes' structural dialect."""
+    definitions = definitions if definitions is not None else schema.get("$defs", {})
+    if "$ref" in schema:
+        target = definitions[schema["$ref"].rsplit("/", 1)[-1]]
+        merged = {**target, **{k: v for k, v in schema.items() if k != "$ref"}}
+        return to_structural(merged, definitions)
+    variants = schema.get("anyOf")
+    if variants is not None:
+        non_null = [v for v in variants if v.get("type") != "null"]
+        if len(non_null) != 1:
+            raise ValueError(f"a CRD field cannot be a union of {non_null}: restructure the model")
+        rest = {k: v for k, v in schema.items() if k != "anyOf"}
+        converted = to_structural({**non_null[0], **rest}, definitions)
+        if len(non_null) < len(variants):
+            converted["nullable"] = True
+        return converted
+
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in DROPPED_KEYWORDS:
+            continue
+        if key == "default" and value is None:
+            continue
+        if key == "const":
+            out["enum"] = [value]
+        elif key == "exclusiveMinimum":
+            out["minimum"], out["exclusiveMinimum"] = value, True
+        elif key == "exclusiveMaximum":
+            out["maximum"], out["exclusiveMaximum"] = value, True
+        elif key == "properties":
+            out["properties"] = {name: to_structural(sub, definitions) for name, sub in value.items()}
+        elif key in ("items", "additionalProperties") and isinstance(value, dict):
+            out[key] = to_structural(value, definitions)
+        else:
+            out[key] = value
+    if "enum" in out and "type" not in out:
+        out["type"] = "string"
+    return out
+
+
+def _object_schema(model: type, description: str) -> dict[str, Any]:
+    schema = to_structural(model.model_json_schema(by_alias=True, mode="validation"))
+    schema["description"] = description
+    return schema
+
+
+def _crd(
+    plural: str, kind: str, scope: str, schema: dict[str, Any], columns: list[dict[str, Any]], short: list[str]
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.{GROUP}", "labels": {"app.kubernetes.io/part-of": "memfit"}},
+        "spec": {
+            "group": GROUP,
+            "scope": scope,
+            "names": {
+                "plural": plural,
+                "singular": kind.lower(),
+                "kind": kind,
+                "listKind": f"{kind}List",
+                "shortNames": short,
+                "categories": ["memfit"],
+            },
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": schema},
+                    "subresources": {"status": {}} if "status" in schema["properties"] else {},
+                    "additionalPrinterColumns": columns,
+                }
+            ],
+        },
+    }
+
+
+def _column(name: str, path: str, kind: str = "string", description: str = "", priority: int = 0) -> dict[str, Any]:
+    column: dict[str, Any] = {"name": name, "type": kind, "jsonPath": path, "description": description}
+    if priority:
+        column["priority"] = priority
+    return column
+
+
+def finetunejob_crd() -> dict[str, Any]:
+    schema = {
+        "type": "object",
+        "description": "A fine-tuning job that memfit plans to fit the declared GPUs, launches and follows.",
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": _object_schema(FineTuneJobSpec, "The desired job."),
+            "status": _object_schema(FineTuneJobStatus, "Observed state, written by the operator."),
+        },
+        "required": ["spec"],
+    }
+    columns = [
+        _column("Status", ".status.phase", description="Where the job is"),
+        _column("Method", ".status.plan.strategy.method", description="Planned method"),
+        _column("ZeRO", ".status.plan.strategy.zeroStage", "integer", "DeepSpeed ZeRO stage"),
+        _column("GPUs", ".status.gpus", "integer", "GPUs the plan uses"),
+        _column("Mem/GPU", ".status.memoryPerGPU", description="Estimated memory per GPU against capacity"),
+        _column("Progress", ".status.progressDisplay", description="Training progress"),
+        _column("Age", ".metadata.creationTimestamp", "date"),
+        _column("Model", ".spec.model.name", description="Model", priority=1),
+        _column("Pool", ".status.plan.strategy.pool", description="GPU pool", priority=1),
+        _column("Restarts", ".status.restarts", "integer", "Gang restarts", priority=1),
+    ]
+    return _crd("finetunejobs", "FineTuneJob", "Namespaced", schema, columns, ["ftj"])
+
+
+def gpupool_crd() -> dict[str, Any]:
+    schema = {
+        "type": "object",
+        "description": "The declared inventory of one pool of identical GPU nodes.",
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": _object_schema(GPUPoolSpec, "The pool."),
+        },
+        "required": ["spec"],
+    }
+    columns = [
+        _column("Product", ".spec.gpuProduct"),
+        _column("GPUs/Node", ".spec.gpusPerNode", "integer"),
+        _column("Nodes", ".spec.nodes", "integer"),
+        _column("GiB/GPU", ".spec.gpuMemoryGiB", "number"),
+        _column("Age", ".metadata.creationTimestamp", "date"),
+    ]
+    return _crd("gpupools", "GPUPool", "Cluster", schema, columns, ["gpool"])
+
+
+CRD_FILES = {
+    f"{GROUP}_finetunejobs.yaml": finetunejob_crd,
+    f"{GROUP}_gpupools.yaml": gpupool_crd,
+}
+"""File name in crds/ -> generator (kubebuilder's naming)."""
+
+
+def crd_yaml(crd: dict[str, Any]) -> str:
+    header = "# Generated by `memfit crd` from the pydantic models in memfit.api. Do not edit.\n"
+    return header + yaml.safe_dump(crd, sort_keys=False, width=120)
+
+
+def crd_documents_yaml() -> str:
+    return "---\n".join(crd_yaml(generate()) for generate in CRD_FILES.values())

@@ -1,0 +1,408 @@
+"""The ``FineTuneJob`` resource: what a researcher asks for, and what memfit reports back."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Literal
+
+from pydantic import Field, PositiveInt, model_validator
+
+from memfit.api.base import API_VERSION, ApiModel, Condition, NonEmptyStr, ObjectMeta, Source, VolumePath
+from memfit.api.plan import PlanCandidate
+from memfit.catalog.models import MODEL_PRESETS, model_preset
+from memfit.model_shape import ModelFamily, ModelShape
+
+
+class Method(str, Enum):
+    """How the weights are trained."""
+
+    AUTO = "auto"
+    FULL = "full"
+    LORA = "lora"
+    QLORA = "qlora"
+
+
+class Optimizer(str, Enum):
+    ADAMW = "adamw"
+    ADAMW_8BIT = "adamw8bit"
+    PAGED_ADAMW_8BIT = "paged_adamw8bit"
+    ADAFACTOR = "adafactor"
+    LION = "lion"
+
+
+class Precision(str, Enum):
+    AUTO = "auto"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP32 = "fp32"
+
+
+class Offload(str, Enum):
+    NONE = "none"
+    CPU = "cpu"
+    NVME = "nvme"
+
+
+class Attention(str, Enum):
+    SDPA = "sdpa"
+    EAGER = "eager"
+    FLASH = "flash"
+
+
+class DatasetFormat(str, Enum):
+    JSONL = "jsonl"
+    PARQUET = "parquet"
+    ARROW = "arrow"
+
+
+_SHAPE_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+)
+
+
+class Architecture(ApiModel):
+    """The model's shape: a built-in `preset`, or the explicit sizes from its config.json."""
+
+    preset: str | None = None
+    """A built-in model, e.g. llama-3.1-8b, qwen2.5-7b, mistral-7b-v0.3, gemma-2-9b, phi-3-mini
+    (`memfit presets` lists them). Leave empty to give the sizes instead."""
+    family: ModelFamily = ModelFamily.LLAMA
+    """Architecture family (the `model_type` in config.json): decides module names and layout."""
+    hidden_size: PositiveInt | None = None
+    """config.json `hidden_size`."""
+    intermediate_size: PositiveInt | None = None
+    """config.json `intermediate_size` (MLP width)."""
+    num_layers: PositiveInt | None = None
+    """config.json `num_hidden_layers`."""
+    num_attention_heads: PositiveInt | None = None
+    """config.json `num_attention_heads`."""
+    num_key_value_heads: PositiveInt | None = None
+    """config.json `num_key_value_heads` (grouped-query attention); defaults to `numAttentionHeads`."""
+    head_dim: PositiveInt | None = None
+    """config.json `head_dim`; defaults to hiddenSize / numAttentionHeads."""
+    vocab_size: PositiveInt | None = None
+    """config.json `vocab_size`."""
+    tie_word_embeddings: bool = False
+    """config.json `tie_word_embeddings`: the LM head shares the embedding matrix."""
+    num_experts: PositiveInt = 1
+    """Mixture-of-experts: experts per layer (config.json `num_local_experts`); 1 for dense models."""
+    experts_per_token: PositiveInt = 1
+    """Mixture-of-experts: experts each token is routed to (config.json `num_experts_per_tok`)."""
+
+    @model_validator(mode="after")
+    def _preset_or_sizes(self) -> Architecture:
+        given = [name for name in _SHAPE_FIELDS if getattr(self, name) is not None]
+        if self.preset is not None:
+            if self.preset.lower() not in MODEL_PRESETS:
+                raise ValueError(f"unknown preset {self.preset!r}; known presets: {', '.join(MODEL_PRESETS)}")
+            if given or self.head_dim is not None:
+                raise ValueError("give either `preset` or the explicit sizes, not both")
+            return self
+        missing = [name for name in _SHAPE_FIELDS if getattr(self, name) is None and name != "num_key_value_heads"]
+        if missing:
+            raise ValueError(
+                "without a `preset`, these sizes are required: "
+                + ", ".join(Architecture.model_fields[m].alias or m for m in missing)
+            )
+        heads = self.num_attention_heads or 1
+        kv = self.num_key_value_heads or heads
+        if heads % kv:
+            raise ValueError(f"numAttentionHeads ({heads}) must be a multiple of numKeyValueHeads ({kv})")
+        if self.head_dim is None and (self.hidden_size or 0) % heads:
+            raise ValueError(f"hiddenSize ({self.hidden_size}) is not divisible by numAttentionHeads ({heads}); set headDim")
+        if self.experts_per_token > self.num_experts:
+            raise ValueError("expertsPerToken cannot exceed numExperts")
+        return self
+
+    def shape(self) -> ModelShape:
+        """The resolved shape the memory model works on."""
+        if self.preset is not None:
+            return model_preset(self.preset)
+        assert self.hidden_size and self.intermediate_size and self.num_layers and self.num_attention_heads
+        assert self.vocab_size
+        return ModelShape(
+            family=self.family,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_layers=self.num_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads or self.num_attention_heads,
+            vocab_size=self.vocab_size,
+            tie_word_embeddings=self.tie_word_embeddings,
+            head_dim=self.head_dim,
+            num_experts=self.num_experts,
+            experts_per_token=self.experts_per_token,
+        )
+
+
+class ModelSpec(ApiModel):
+    """The model to fine-tune."""
+
+    name: NonEmptyStr
+    """What the trainer loads with `from_pretrained`: a Hub id, or a path inside the model volume."""
+    source: Source | None = None
+    """Where the weights come from. Empty: the Hub, anonymously."""
+    architecture: Architecture
+    """The model's shape, which decides its memory needs."""
+
+
+class DatasetSpec(ApiModel):
+    """The training data."""
+
+    source: Source
+    """Where the data files are."""
+    format: DatasetFormat = DatasetFormat.JSONL
+    """File format."""
+    text_field: str | None = None
+    """Field holding plain text (default `text` when no `messagesField` is given)."""
+    messages_field: str | None = None
+    """Field holding chat messages ([{role, content}, ...]), rendered with the model's chat template."""
+    streaming: bool = False
+    """Stream the files instead of loading them (for datasets larger than the node's memory)."""
+
+    @model_validator(mode="after")
+    def _one_field(self) -> DatasetSpec:
+        if self.text_field is not None and self.messages_field is not None:
+            raise ValueError("set `textField` or `messagesField`, not both")
+        if self.text_field is None and self.messages_field is None:
+            self.text_field = "text"
+        return self
+
+
+class LoraSpec(ApiModel):
+    """LoRA adapter settings (used by methods lora and qlora, and by auto when it picks them)."""
+
+    rank: PositiveInt = 16
+    """Adapter rank r."""
+    alpha: float = Field(default=32.0, gt=0)
+    """Scaling numerator (the update is scaled by alpha / rank)."""
+    dropout: float = Field(default=0.05, ge=0, lt=1)
+    """Dropout on the adapter input."""
+    target_modules: list[NonEmptyStr] = Field(default_factory=lambda: ["all-linear"], min_length=1)
+    """Linear modules that get adapters, by name (q_proj, v_proj, ...) or `all-linear`."""
+
+
+class TrainingSpec(ApiModel):
+    """Training settings. The planner keeps `globalBatchSize` exact: micro-batch x accumulation x GPUs."""
+
+    global_batch_size: PositiveInt = 32
+    """Sequences per optimizer step, across all GPUs."""
+    sequence_length: Annotated[int, Field(ge=8, le=1_048_576)] = 2048
+    """Tokens per sequence (samples are packed to this length)."""
+    epochs: PositiveInt | None = None
+    """Passes over the dataset. Give this or `maxSteps` (default: 1 epoch)."""
+    max_steps: PositiveInt | None = None
+    """Optimizer steps to run; overrides `epochs`."""
+    learning_rate: float | None = Field(default=None, gt=0, lt=1)
+    """Peak learning rate (default: 2e-5 for full fine-tuning, 2e-4 for LoRA/QLoRA)."""
+    warmup_ratio: float = Field(default=0.03, ge=0, lt=1)
+    """Fraction of steps spent warming the learning rate up."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """Decoupled weight decay."""
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    """Gradient clipping norm."""
+    optimizer: Optimizer = Optimizer.ADAMW
+    """Optimizer; the 8-bit ones come from bitsandbytes."""
+    precision: Precision = Precision.AUTO
+    """Compute precision; auto picks bf16 where the GPU has it, else fp16."""
+    checkpoint_every_steps: PositiveInt = 500
+    """Save a resumable checkpoint every this many optimizer steps (and at the end)."""
+    seed: int = 42
+    """Seed for initialisation and data order (a resumed run continues the same order)."""
+
+    @model_validator(mode="after")
+    def _length(self) -> TrainingSpec:
+        if self.epochs is None and self.max_steps is None:
+            self.epochs = 1
+        return self
+
+
+class ResourcesSpec(ApiModel):
+    """Which GPUs the job may use."""
+
+    pool: str | None = None
+    """Restrict the job to this GPUPool (default: any pool)."""
+    max_gpus: PositiveInt | None = None
+    """Use at most this many GPUs in all (default: as many as help)."""
+    memory_headroom_percent: float = Field(default=10.0, ge=0, lt=90)
+    """Plan to leave this share of every GPU's memory free."""
+
+
+class StrategySpec(ApiModel):
+    """Pin any knob of the plan; the planner keeps what is pinned and evaluates exactly that."""
+
+    zero_stage: Annotated[int, Field(ge=0, le=3)] | None = None
+    """DeepSpeed ZeRO stage 0-3."""
+    offload_optimizer: Offload | None = None
+    """Where optimizer states live: GPU (none), CPU memory, or NVMe."""
+    offload_parameters: Offload | None = None
+    """Where ZeRO-3 keeps parameters between uses: GPU (none), CPU memory, or NVMe."""
+    gradient_checkpointing: bool | None = None
+    """Recompute activations in the backward pass instead of keeping them."""
+    micro_batch_size: PositiveInt | None = None
+    """Sequences per GPU per forward pass (gradient accumulation makes up the rest)."""
+    attention: Attention | None = None
+    """Attention kernel: sdpa (PyTorch fused), flash (flash-attn 2), or eager (materialises scores)."""
+
+
+class FineTuneJobSpec(ApiModel):
+    """A fine-tuning job: what to train, on what, how, and where it may run."""
+
+    model: ModelSpec
+    """The model to fine-tune."""
+    dataset: DatasetSpec
+    """The training data."""
+    method: Method = Method.AUTO
+    """full, lora, qlora, or auto: the highest-fidelity method that fits (full, then lora, then qlora)."""
+    lora: LoraSpec = Field(default_factory=LoraSpec)
+    """LoRA settings for lora and qlora."""
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    """Training settings."""
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    """Which GPUs the job may use."""
+    strategy: StrategySpec = Field(default_factory=StrategySpec)
+    """Pinned plan knobs; everything left out is planned."""
+    output: VolumePath
+    """Where checkpoints and the final model or adapter are written."""
+    suspend: bool = False
+    """Stop the pods and keep everything else; set back to false to resume from the last checkpoint."""
+    max_restarts: Annotated[int, Field(ge=0)] = 3
+    """Gang restarts after failures (out-of-memory re-plans are counted separately)."""
+    max_replans: Annotated[int, Field(ge=0)] = 3
+    """Re-plans to a leaner strategy after out-of-memory failures."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> FineTuneJobSpec:
+        strategy = self.strategy
+        if strategy.offload_parameters not in (None, Offload.NONE) and strategy.zero_stage not in (None, 3):
+            raise ValueError("strategy.offloadParameters needs zeroStage 3 (only ZeRO-3 partitions parameters)")
+        if self.method is Method.QLORA and strategy.zero_stage == 3:
+            raise ValueError("method qlora cannot run under ZeRO-3 (4-bit weights are not partitioned); use zeroStage 0-2")
+        batch = self.training.global_batch_size
+        if strategy.micro_batch_size is not None and batch % strategy.micro_batch_size:
+            raise ValueError(
+                f"training.globalBatchSize ({batch}) is not divisible by strategy.microBatchSize "
+                f"({strategy.micro_batch_size})"
+            )
+        if self.training.optimizer in (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT) and strategy.offload_optimizer in (
+            Offload.CPU,
+            Offload.NVME,
+        ):
+            raise ValueError("8-bit optimizers run on the GPU; they cannot be combined with strategy.offloadOptimizer")
+        self.model.architecture.shape().resolve_lora_targets(tuple(self.lora.target_modules))
+        return self
+
+
+class Progress(ApiModel):
+    """How far training has come, as the trainer last reported it."""
+
+    step: int = 0
+    """Optimizer steps done."""
+    total_steps: int | None = None
+    """Optimizer steps planned in all."""
+    percent: int = 0
+    """step / totalSteps in percent."""
+    tokens_per_second: float | None = None
+    """Measured training throughput, all ranks together."""
+    eta: str | None = None
+    """Estimated time to finish (RFC 3339)."""
+    last_checkpoint_step: int | None = None
+    """Step of the newest complete checkpoint."""
+    updated: str | None = None
+    """When this progress was read (RFC 3339)."""
+
+
+class Attempt(ApiModel):
+    """One launch of the job's pods."""
+
+    number: int
+    """1 for the first launch, then counting up."""
+    strategy_summary: str
+    """The plan this attempt ran, in one line."""
+    started: str
+    """When the attempt was launched (RFC 3339)."""
+    finished: str | None = None
+    """When it ended (RFC 3339)."""
+    outcome: str | None = None
+    """Succeeded, Failed, OutOfMemory, Suspended, ..."""
+    reason: str | None = None
+    """Why it ended, in a sentence."""
+    resumed_from_step: int | None = None
+    """The checkpoint step it started from, if any."""
+
+
+class Phase(str, Enum):
+    PENDING = "Pending"
+    INVALID = "Invalid"
+    UNSCHEDULABLE = "Unschedulable"
+    LAUNCHING = "Launching"
+    RUNNING = "Running"
+    RESTARTING = "Restarting"
+    SUSPENDED = "Suspended"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+class FineTuneJobStatus(ApiModel):
+    """What memfit planned and what is happening. Written by the operator only."""
+
+    phase: Phase | None = None
+    """Where the job is: Pending, Invalid, Unschedulable, Launching, Running, Restarting, Suspended,
+    Succeeded or Failed."""
+    observed_generation: int | None = None
+    """The `.metadata.generation` this status describes."""
+    conditions: list[Condition] = Field(default_factory=list)
+    """Conditions (Ready, Planned, Running, Succeeded, Suspended) per the Kubernetes API conventions."""
+    plan: PlanCandidate | None = None
+    """The chosen plan, with its per-GPU memory estimate (the same fields as `memfit plan -o json`)."""
+    gpus: int | None = None
+    """GPUs the current plan uses."""
+    memory_per_gpu: str | None = None
+    """Estimated memory per GPU against capacity, e.g. `61.2/80.0 GiB`."""
+    progress: Progress | None = None
+    """Training progress."""
+    progress_display: str | None = None
+    """Progress for `kubectl get`, e.g. `42% 420/1000`."""
+    attempts: list[Attempt] = Field(default_factory=list)
+    """Every launch, with why it ended."""
+    restarts: int = 0
+    """Gang restarts used (of spec.maxRestarts)."""
+    replans: int = 0
+    """Out-of-memory re-plans used (of spec.maxReplans)."""
+    excluded_strategies: list[str] = Field(default_factory=list)
+    """Strategies ruled out after they ran out of memory (the planner skips them)."""
+
+
+class FineTuneJob(ApiModel):
+    """A FineTuneJob object as `kubectl apply` takes it."""
+
+    api_version: Literal["memfit.dev/v1alpha1"] = API_VERSION
+    """API version."""
+    kind: Literal["FineTuneJob"] = "FineTuneJob"
+    """Kind."""
+    metadata: ObjectMeta
+    """Standard object metadata."""
+    spec: FineTuneJobSpec
+    """The desired job."""
+    status: FineTuneJobStatus | None = None
+    """Observed state."""
+
+
+__all__ = [
+    "Architecture",
+    "Attention",
+    "DatasetFormat",
+    "FineTuneJob",
+    "FineTuneJobSpec",
+    "FineTuneJobStatus",
+    "Method",
+    "NonEmptyStr",
+    "Offload",
+    "Optimizer",
+    "Precision",
+]

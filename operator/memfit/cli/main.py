@@ -1,0 +1,62 @@
+"""``memfit``: the command line. Subcommands import what they need lazily, so ``memfit plan`` runs with
+nothing but the core installed (no kopf, no torch)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+EXIT_OK, EXIT_NO_FIT, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from memfit.cli.plan_command import run_plan
+
+    return run_plan(args.job, args.inventory, args.output, args.emit_ds_config, args.job_name)
+
+
+def _crd(args: argparse.Namespace) -> int:
+    from memfit.api.crd import crd_documents_yaml
+
+    sys.stdout.write(crd_documents_yaml())
+    return EXIT_OK
+
+
+def _presets(args: argparse.Namespace) -> int:
+    from memfit.cli.catalog_command import print_catalog
+
+    print_catalog()
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="memfit", description="Fit LLM fine-tuning into the GPUs you have.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    plan = commands.add_parser("plan", help="will this job fit, and how? (offline, no cluster)")
+    plan.add_argument("job", type=Path, help="YAML file with the FineTuneJob (may also hold GPUPools)")
+    plan.add_argument("--inventory", "-i", type=Path, action="append", default=[],
+                      help="YAML file with GPUPool objects (repeatable)")  # fmt: skip
+    plan.add_argument("--output", "-o", choices=["table", "json", "yaml"], default="table")
+    plan.add_argument("--emit-ds-config", type=Path, metavar="FILE",
+                      help="write the chosen plan's DeepSpeed config JSON here, as the operator renders it")  # fmt: skip
+    plan.add_argument("--job", dest="job_name", metavar="NAME", help="which FineTuneJob, if the file holds several")
+    plan.set_defaults(handler=_plan)
+
+    crd = commands.add_parser("crd", help="print the CustomResourceDefinitions generated from the API models")
+    crd.set_defaults(handler=_crd)
+
+    presets = commands.add_parser("presets", help="list the built-in model presets and GPU products")
+    presets.set_defaults(handler=_presets)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.handler(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Estimated step time of a strategy: compute, communication, offload traffic and the optimizer.
+
+It only has to rank candidates correctly, so it models what separates them (recomputation, ZeRO-3's
+parameter gathers, PCIe and NVMe traffic, CPU optimizer time, 4-bit dequantization) with published
+orders of magnitude; its absolute numbers are estimates and are labelled so everywhere.
+"""
+
+from __future__ import annotations
+
+from memfit.api.gpupool import PoolCapacity
+from memfit.api.plan import PlanStrategy, PlanThroughput
+from memfit.memory.states import compute_bytes
+from memfit.model_shape import ModelShape
+
+PEAK_EFFICIENCY = 0.5
+"""Share of the tensor-core peak a well-fed decoder layer reaches (model FLOPs utilisation)."""
+HALF_EFFICIENCY_TOKENS = 1024
+"""Tokens per micro-batch at which a GPU reaches half of PEAK_EFFICIENCY: small batches starve it."""
+QLORA_SLOWDOWN = 1.35
+"""Dequantizing NF4 weights before every matmul (QLoRA paper, bitsandbytes benchmarks: 30-40%)."""
+COMM_OVERLAP = 0.5
+"""Share of communication DeepSpeed hides behind compute (overlap_comm, prefetching)."""
+CPU_ADAM_PARAMS_PER_SECOND_PER_NODE = 1.5e9
+"""DeepSpeedCPUAdam updates per second on a modern dual-socket host (ZeRO-Offload paper order)."""
+FP32_SLOWDOWN = 8.0
+"""fp32 matmuls run on TF32 or plain FP32 units, roughly an order of magnitude below 16-bit peak."""
+
+
+def _training_flops_per_token(shape: ModelShape, strategy: PlanStrategy, sequence_length: int) -> float:
+    """Forward 2N + causal attention; backward 2x forward for full training, 1x when the base is
+    frozen (no weight gradients); checkpointing repeats the forward."""
+    forward = 2 * shape.active_parameters_per_token + 2 * shape.num_layers * sequence_length * shape.q_size
+    backward = 2 * forward if strategy.method == "full" else forward
+    recompute = forward if strategy.gradient_checkpointing else 0
+    return forward + backward + recompute
+
+
+def _peak_flops(pool: PoolCapacity, precision: str) -> float:
+    if precision == "bf16" and pool.peak_flops_bf16:
+        return pool.peak_flops_bf16
+    if precision == "fp32":
+        return pool.peak_flops_fp16 / FP32_SLOWDOWN
+    return pool.peak_flops_fp16
+
+
+def _collective_bandwidth(pool: PoolCapacity, strategy: PlanStrategy) -> float:
+    """Bytes/s each GPU sees in a ring: NVLink/PCIe within a node, its share of the NICs across nodes."""
+    if strategy.nodes == 1:
+        return pool.intra_node_bytes_per_second
+    return min(pool.intra_node_bytes_per_second, pool.inter_node_bytes_per_second / strategy.gpus_per_node)
+
+
+def _communication_seconds(
+    shape: ModelShape, strategy: PlanStrategy, pool: PoolCapacity, trainable: int, frozen_16bit: int
+) -> float:
+    n = strategy.gpus
+    if n == 1:
+        return 0.0
+    ring = (n - 1) / n
+    w = compute_bytes(strategy.precision)
+    accumulation = strategy.gradient_accumulation_steps
+    grads = 2 * ring * trainable * w  # all-reduce = reduce-scatter + all-gather
+    if strategy.zero_stage >= 2:
+        grads *= accumulation  # ZeRO-2/3 reduce every micro-batch
+    gathers = 0.0
+    if strategy.zero_stage == 3:
+        passes = 3 if strategy.gradient_checkpointing else 2  # forward, backward (and the recompute)
+        gathers = passes * ring * (trainable + frozen_16bit) * w * accumulation
+    return (grads + gathers) / _collective_bandwidth(pool, strategy)
+
+
+def _offload_seconds(shape: ModelShape, strategy: PlanStrategy, pool: PoolCapacity, trainable: int) -> float:
+    n, per_node = strategy.gpus, strategy.gpus_per_node
+    shard = trainable / n
+    seconds = 0.0
+    if strategy.offload_optimizer != "none":
+        seconds += shard / (CPU_ADAM_PARAMS_PER_SECOND_PER_NODE / per_node)
+        seconds += 4 * shard / pool.pcie_bytes_per_second  # 16-bit grads down, 16-bit weights up
+        if strategy.offload_optimizer == "nvme":
+            seconds += 2 * 12 * shard / (pool.nvme_bytes_per_second / per_node)  # read and write states
+    if strategy.offload_parameters != "none":
+        passes = (3 if strategy.gradient_checkpointing else 2) * strategy.gradient_accumulation_steps
+        weights = 2 * shape.parameter_count / n * passes
+        bandwidth = pool.pcie_bytes_per_second
+        if strategy.offload_parameters == "nvme":
+            bandwidth = min(bandwidth, pool.nvme_bytes_per_second / per_node)
+        seconds += weights / bandwidth
+    return seconds
+
+
+def estimate_throughput(
+    shape: ModelShape,
+    strategy: PlanStrategy,
+    pool: PoolCapacity,
+    sequence_length: int,
+    trainable: int,
+) -> PlanThroughput:
+    micro_tokens = strategy.micro_batch_size * sequence_length
+    efficiency = PEAK_EFFICIENCY * micro_tokens / (micro_tokens + HALF_EFFICIENCY_TOKENS)
+    flops = _training_flops_per_token(shape, strategy, sequence_length) * micro_tokens
+    micro_seconds = flops / (_peak_flops(pool, strategy.precision) * efficiency)
+    if strategy.method == "qlora":
+        micro_seconds *= QLORA_SLOWDOWN
+    compute = micro_seconds * strategy.gradient_accumulation_steps
+    frozen_16bit = shape.parameter_count if strategy.method == "lora" else 0  # ZeRO-3 also gathers the frozen base
+    communication = _communication_seconds(shape, strategy, pool, trainable, frozen_16bit)
+    step = compute + (1 - COMM_OVERLAP) * communication + max(0.0, COMM_OVERLAP * communication - compute)
+    step += _offload_seconds(shape, strategy, pool, trainable)
+    tokens = strategy.gpus * strategy.micro_batch_size * strategy.gradient_accumulation_steps * sequence_length
+    return PlanThroughput.model_construct(tokens_per_second=tokens / step, step_seconds=step)
