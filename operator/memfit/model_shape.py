@@ -134,21 +134,21 @@ class ModelShape:
         """Output projection; zero when it shares the embedding matrix."""
         return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
 
-    @property
+    @cached_property
     def norm_parameters(self) -> int:
         """All RMSNorm weights: per layer plus the final norm."""
         return (self.num_layers * self.norms_per_layer + 1) * self.hidden_size
 
-    @property
+    @cached_property
     def layer_linear_parameters(self) -> int:
         """Weights and biases of the linear modules of one decoder layer."""
         return sum(m.parameters for m in self.layer_linears)
 
-    @property
+    @cached_property
     def layer_parameters(self) -> int:
         return self.layer_linear_parameters + self.norms_per_layer * self.hidden_size
 
-    @property
+    @cached_property
     def parameter_count(self) -> int:
         """Exactly ``sum(p.numel() for p in model.parameters())`` of the ``transformers`` model."""
         return (
@@ -158,7 +158,7 @@ class ModelShape:
             + self.norm_parameters
         )
 
-    @property
+    @cached_property
     def quantizable_parameters(self) -> int:
         """Weights bitsandbytes replaces with 4-bit ones: decoder linears except the MoE router.
 
@@ -166,13 +166,13 @@ class ModelShape:
         """
         return self.num_layers * sum(m.weight_parameters for m in self.layer_linears if m.name != "gate")
 
-    @property
+    @cached_property
     def largest_layer_parameters(self) -> int:
         """The biggest single module (what ZeRO-3 must gather at once): often the embedding."""
         linear = max(m.in_features * m.out_features for m in self.layer_linears)
         return max(self.embedding_parameters, linear)
 
-    @property
+    @cached_property
     def active_parameters_per_token(self) -> int:
         """Parameters a token flows through (MoE: only its routed experts): sets the FLOPs."""
         if not self.is_moe:

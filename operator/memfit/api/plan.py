@@ -6,11 +6,13 @@ FineTuneJob, so scripts and the cluster see exactly the same fields.
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Literal
 
 from pydantic import Field
 
 from memfit.api.base import ApiModel
+from memfit.strategy import Strategy
 
 MethodName = Literal["full", "lora", "qlora"]
 PrecisionName = Literal["bf16", "fp16", "fp32"]
@@ -49,21 +51,15 @@ class PlanStrategy(ApiModel):
     attention: AttentionName
     """Attention kernel."""
 
-    @property
-    def gpus(self) -> int:
-        return self.nodes * self.gpus_per_node
+    def to_strategy(self) -> Strategy:
+        return Strategy(**self.model_dump())
+
+    @classmethod
+    def from_strategy(cls, strategy: Strategy) -> PlanStrategy:
+        return cls.model_validate(asdict(strategy))
 
     def summary(self) -> str:
-        """One line a person can read, e.g. `full zero2 ckpt mb2x4 bf16 on 2x8 a100`."""
-        parts = [self.method, f"zero{self.zero_stage}"]
-        if self.offload_optimizer != "none":
-            parts.append(f"opt->{self.offload_optimizer}")
-        if self.offload_parameters != "none":
-            parts.append(f"params->{self.offload_parameters}")
-        if self.gradient_checkpointing:
-            parts.append("ckpt")
-        parts += [f"mb{self.micro_batch_size}x{self.gradient_accumulation_steps}", self.precision, self.optimizer]
-        return " ".join(parts) + f" on {self.nodes}x{self.gpus_per_node} {self.pool}"
+        return self.to_strategy().summary()
 
 
 class PerGPUMemory(ApiModel):

@@ -38,7 +38,7 @@ def run_plan(job_path: Path, inventory: list[Path], output: str, ds_config_path:
         return EXIT_BAD_INPUT
 
     if output == "table":
-        print_plan_table(job, result, documents.pools)
+        print_plan_table(job, result)
     else:
         data = result.model_dump(by_alias=True, mode="json")
         sys.stdout.write(json.dumps(data, indent=2) + "\n" if output == "json" else yaml.safe_dump(data, sort_keys=False))

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from rich.console import Console
 from rich.table import Table
 
 from memfit.api.finetunejob import FineTuneJob
-from memfit.api.gpupool import GPUPool
 from memfit.api.plan import PlanCandidate, PlanResult
 
 GIB = 1024**3
@@ -47,8 +44,8 @@ def why_lost(candidate: PlanCandidate, chosen: PlanCandidate) -> str:
     return f"{slower:.0%} slower ({detail})" if slower > 0.005 else f"as fast ({detail})"
 
 
-def print_plan_table(job: FineTuneJob, result: PlanResult, pools: Sequence[GPUPool], console: Console | None = None) -> None:
-    console = console or Console(highlight=False)
+def print_plan_table(job: FineTuneJob, result: PlanResult, console: Console | None = None) -> None:
+    console = console or Console(highlight=False, width=max(120, Console().width))
     spec = job.spec
     shape = spec.model.architecture.shape()
     console.print(

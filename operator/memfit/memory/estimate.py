@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.api.plan import PerGPUMemory, PerNodeMemory, PlanMemory, PlanStrategy
+from memfit.api.plan import PerGPUMemory, PerNodeMemory, PlanMemory
+from memfit.strategy import Strategy
 from memfit.memory.activations import ActivationEstimate, ActivationSetup, estimate_activations
-from memfit.memory.overhead import overhead
+from memfit.memory.overhead import FRAGMENTATION, overhead
 from memfit.memory.states import ModelStates, model_states, trainable_split
 from memfit.model_shape import ModelShape
 
@@ -34,7 +35,7 @@ class LoraSettings:
     dropout: bool
 
 
-def activation_setup(shape: ModelShape, strategy: PlanStrategy, sequence_length: int, lora: LoraSettings) -> ActivationSetup:
+def activation_setup(shape: ModelShape, strategy: Strategy, sequence_length: int, lora: LoraSettings) -> ActivationSetup:
     targets = shape.resolve_lora_targets(lora.targets) if strategy.method != "full" else frozenset()
     return ActivationSetup(
         method=strategy.method,
@@ -49,7 +50,7 @@ def activation_setup(shape: ModelShape, strategy: PlanStrategy, sequence_length:
     )
 
 
-def host_memory_per_node(shape: ModelShape, strategy: PlanStrategy, states: ModelStates) -> tuple[int, int]:
+def host_memory_per_node(shape: ModelShape, strategy: Strategy, states: ModelStates) -> tuple[int, int]:
     """(CPU, NVMe) bytes of one node: its ranks' offloaded states, or loading the model, if larger.
 
     Every rank loads the 16-bit checkpoint into CPU memory before DeepSpeed moves or partitions it
@@ -60,24 +61,67 @@ def host_memory_per_node(shape: ModelShape, strategy: PlanStrategy, states: Mode
     return max(steady, loading), ranks * states.nvme_per_rank
 
 
-def estimate_memory(
-    shape: ModelShape,
-    strategy: PlanStrategy,
-    sequence_length: int,
-    lora: LoraSettings,
-    states: ModelStates | None = None,
-    activations: ActivationEstimate | None = None,
-) -> PlanMemory:
-    """Memory of ``strategy``. ``states``/``activations`` may be passed in when the caller cached them."""
-    if states is None:
-        states = model_states(shape, strategy, lora.rank, lora.targets)
-    if activations is None:
-        activations = estimate_activations(shape, activation_setup(shape, strategy, sequence_length, lora))
-    trainable = trainable_split(shape, strategy.method, lora.rank, lora.targets).trainable
-    runtime = overhead(shape, strategy, trainable, activations.peak + states.gradients)
+@dataclass(frozen=True, slots=True)
+class MemoryEstimate:
+    """Bytes per GPU at the step's peak, and per node on the host (see PerGPUMemory for each part)."""
 
-    grads_persist = strategy.gradient_accumulation_steps > 1 or strategy.zero_stage >= 2
-    base = states.parameters + states.optimizer_states + runtime.communication_buffers
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    activations: int
+    overhead: int
+    peak_allocated_bytes: int
+    cpu_per_node: int
+    nvme_per_node: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_states + self.activations + self.overhead
+
+    def to_api(self) -> PlanMemory:
+        return PlanMemory(
+            per_gpu=PerGPUMemory(
+                parameters=self.parameters,
+                gradients=self.gradients,
+                optimizer_states=self.optimizer_states,
+                activations=self.activations,
+                overhead=self.overhead,
+                peak_allocated_bytes=self.peak_allocated_bytes,
+                total=self.total,
+            ),
+            per_node=PerNodeMemory(cpu=self.cpu_per_node, nvme=self.nvme_per_node),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StaticMemory:
+    """Everything about a strategy's memory that does not depend on the micro-batch (the planner
+    computes it once per combination of the other knobs)."""
+
+    states: ModelStates
+    trainable: int
+    communication_buffers: int
+    runtime: int
+    """CUDA context and NCCL buffers."""
+    cpu_per_node: int
+    nvme_per_node: int
+    zero_stage: int
+
+
+def static_memory(shape: ModelShape, strategy: Strategy, lora: LoraSettings) -> StaticMemory:
+    states = model_states(shape, strategy, lora.rank, lora.targets)
+    trainable = trainable_split(shape, strategy.method, lora.rank, lora.targets).trainable
+    fixed = overhead(shape, strategy, trainable, churning_bytes=0)
+    cpu, nvme = host_memory_per_node(shape, strategy, states)
+    return StaticMemory(states, trainable, fixed.communication_buffers, fixed.cuda_context + fixed.nccl, cpu, nvme,
+                        strategy.zero_stage)  # fmt: skip
+
+
+def peak_memory(static: StaticMemory, activations: ActivationEstimate, accumulation_steps: int) -> MemoryEstimate:
+    """Combine the static part with one micro-batch's activations into the step's peak."""
+    states = static.states
+    grads_persist = accumulation_steps > 1 or static.zero_stage >= 2
+    base = states.parameters + states.optimizer_states + static.communication_buffers
     if grads_persist:
         fwd_bwd_grads, fwd_bwd_acts = states.gradients, activations.peak
     elif activations.peak >= states.gradients:
@@ -90,17 +134,20 @@ def estimate_memory(
         gradients, acts, peak = fwd_bwd_grads, fwd_bwd_acts, fwd_bwd
     else:
         gradients, acts, peak = states.gradients + states.step_gradients, 0, step
-
-    cpu, nvme = host_memory_per_node(shape, strategy, states)
-    return PlanMemory.model_construct(
-        per_gpu=PerGPUMemory.model_construct(
-            parameters=states.parameters,
-            gradients=gradients,
-            optimizer_states=states.optimizer_states,
-            activations=acts,
-            overhead=runtime.total,
-            peak_allocated_bytes=peak,
-            total=states.parameters + gradients + states.optimizer_states + acts + runtime.total,
-        ),
-        per_node=PerNodeMemory.model_construct(cpu=cpu, nvme=nvme),
+    fragmentation = int(FRAGMENTATION * (activations.peak + states.gradients))
+    return MemoryEstimate(
+        parameters=states.parameters,
+        gradients=gradients,
+        optimizer_states=states.optimizer_states,
+        activations=acts,
+        overhead=static.runtime + static.communication_buffers + fragmentation,
+        peak_allocated_bytes=peak,
+        cpu_per_node=static.cpu_per_node,
+        nvme_per_node=static.nvme_per_node,
     )
+
+
+def estimate_memory(shape: ModelShape, strategy: Strategy, sequence_length: int, lora: LoraSettings) -> MemoryEstimate:
+    """Per-GPU and per-node memory of running ``strategy`` (all of it an estimate)."""
+    activations = estimate_activations(shape, activation_setup(shape, strategy, sequence_length, lora))
+    return peak_memory(static_memory(shape, strategy, lora), activations, strategy.gradient_accumulation_steps)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.api.plan import PlanStrategy
+from memfit.strategy import Strategy
 from memfit.memory.states import compute_bytes
 from memfit.model_shape import ModelShape
 from memfit.render.deepspeed import bucket_elements
@@ -45,7 +45,7 @@ class Overhead:
         return self.cuda_context + self.nccl + self.communication_buffers + self.fragmentation
 
 
-def communication_buffer_bytes(shape: ModelShape, strategy: PlanStrategy, trainable: int) -> int:
+def communication_buffer_bytes(shape: ModelShape, strategy: Strategy, trainable: int) -> int:
     """Gradient and parameter buckets DeepSpeed allocates for collective communication."""
     if strategy.gpus == 1:
         return 0
@@ -58,7 +58,7 @@ def communication_buffer_bytes(shape: ModelShape, strategy: PlanStrategy, traina
     return 2 * w * buckets["reduce"]  # double-buffered reduce-scatter; prefetched weights are in the working set
 
 
-def overhead(shape: ModelShape, strategy: PlanStrategy, trainable: int, churning_bytes: int) -> Overhead:
+def overhead(shape: ModelShape, strategy: Strategy, trainable: int, churning_bytes: int) -> Overhead:
     return Overhead(
         cuda_context=CUDA_CONTEXT_BYTES,
         nccl=NCCL_BYTES if strategy.gpus > 1 else 0,

@@ -10,8 +10,9 @@ optimizer step works on (DeepSpeed's own estimators count it: ``2Ψ + 18Ψ/N`` f
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
-from memfit.api.plan import PlanStrategy
+from memfit.strategy import Strategy
 from memfit.model_shape import ModelShape
 
 FP32 = 4
@@ -55,6 +56,7 @@ class TrainableSplit:
     """Adafactor: fp32 elements of the factored second moment (rows + columns of each trained matrix)."""
 
 
+@lru_cache(maxsize=256)
 def trainable_split(shape: ModelShape, method: str, lora_rank: int, lora_targets: tuple[str, ...]) -> TrainableSplit:
     total = shape.parameter_count
     if method == "full":
@@ -97,7 +99,7 @@ def zero3_working_set(shape: ModelShape) -> int:
     return shape.largest_layer_parameters + shape.layer_parameters + shape.norm_parameters
 
 
-def model_states(shape: ModelShape, strategy: PlanStrategy, lora_rank: int, lora_targets: tuple[str, ...]) -> ModelStates:
+def model_states(shape: ModelShape, strategy: Strategy, lora_rank: int, lora_targets: tuple[str, ...]) -> ModelStates:
     """Weights, gradients and optimizer states of one rank for ``strategy``."""
     split = trainable_split(shape, strategy.method, lora_rank, lora_targets)
     n = strategy.gpus
@@ -127,18 +129,22 @@ def model_states(shape: ModelShape, strategy: PlanStrategy, lora_rank: int, lora
         step_grads /= n
     if stage >= 2:
         grads /= n
+    # Under ZeRO-3 the module being reduced holds its full gradient before the reduce-scatter.
+    gathered_grads = shape.largest_layer_parameters * w if stage == 3 and strategy.method == "full" else 0
     if stage == 3:
         working_set = zero3_working_set(shape) * w
         weights = weights / n + working_set
-        grads += shape.largest_layer_parameters * w  # a gathered module's full gradient before reduce-scatter
+        grads += gathered_grads
         if strategy.offload_parameters != "none":
             weights = working_set
 
     cpu = nvme = 0.0
     if strategy.offload_optimizer != "none":
-        # Master weights and states move to the host; the fp32 gradients the CPU optimizer reads are
-        # kept in (pinned) CPU memory either way.
+        # Master weights and states move to the host, and reduced gradient partitions are copied
+        # straight into the fp32 buffers the CPU optimizer reads: the GPU keeps only the buckets
+        # (and, under ZeRO-3, the full gradient of the module being reduced).
         cpu += step_grads
+        grads = gathered_grads
         if strategy.offload_optimizer == "cpu":
             cpu += optimizer
         else:

@@ -1,54 +1,86 @@
-"""The planner: every way to run a job on the declared pools, the ones that fit, and the fastest.
-
-Search space: pool x layout (nodes x GPUs per node) x method x ZeRO stage x offload x checkpointing x
-micro-batch. Model states do not depend on the micro-batch and activations do not depend on the
-layout, so both are cached; for each combination of the other knobs only the largest micro-batch
-that fits is kept (a bigger micro-batch never runs slower), which keeps a 10-pool search in
-milliseconds.
-"""
-
 from __future__ import annotations
 
 import time
 from collections.abc import Collection, Iterator, Sequence
-from dataclasses import dataclass, field
-from functools import lru_cache
+from dataclasses import dataclass, field, replace
 
 from memfit.api.finetunejob import FineTuneJobSpec, Method, Offload, Optimizer, Precision
 from memfit.api.gpupool import GPUPool, PoolCapacity, pool_capacity
-from memfit.api.plan import PlanCandidate, PlanMemory, PlanResult, PlanStrategy, RejectedCandidate
-from memfit.memory.activations import estimate_activations
-from memfit.memory.estimate import LoraSettings, activation_setup, estimate_memory
-from memfit.memory.states import model_states, trainable_split
+from memfit.api.plan import PlanCandidate, PlanResult, PlanStrategy, PlanThroughput, RejectedCandidate
+from memfit.memory.activations import ActivationEstimate, estimate_activations
+from memfit.memory.estimate import (
+    LoraSettings,
+    MemoryEstimate,
+    StaticMemory,
+    activation_setup,
+    peak_memory,
+    static_memory,
+)
 from memfit.model_shape import ModelShape
 from memfit.planner.advice import advise
 from memfit.planner.throughput import estimate_throughput
+from memfit.strategy import Strategy
 
 GIB = 1024**3
-METHOD_FIDELITY = {"full": 0, "lora": 1, "qlora": 2}
-"""auto prefers the method that changes the model least: full, then LoRA, then QLoRA."""
 MAX_CANDIDATES = 50
-"""Feasible candidates kept in a result (fastest first); the rest are counted in the advice."""
+"""Feasible candidates reported (fastest first)."""
+MAX_REJECTED = 25
+"""Nearest misses reported: the closest attempt of each pool x layout x method, closest first."""
 
 
 class PlanningError(ValueError):
     """The request cannot be planned at all (e.g. a pool it names does not exist)."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Evaluated:
+    template: Strategy
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    memory: MemoryEstimate
+    capacity: PoolCapacity
+    trainable: int
+    miss_ratio: float = 0.0
+    reason: str | None = None
+
+    @property
+    def strategy(self) -> Strategy:
+        return replace(self.template, micro_batch_size=self.micro_batch_size,
+                       gradient_accumulation_steps=self.gradient_accumulation_steps)  # fmt: skip
+
+
 @dataclass
 class _Search:
-    """The fixed inputs of one planning run and its caches."""
+    """The fixed inputs of one planning run, its caches and what it found."""
 
     spec: FineTuneJobSpec
     shape: ModelShape
     lora: LoraSettings
     exclude: Collection[str]
-    fits: list[PlanCandidate] = field(default_factory=list)
-    nearest_misses: dict[tuple[str, int, int, str], tuple[float, RejectedCandidate]] = field(default_factory=dict)
+    fits: list[tuple[_Evaluated, PlanThroughput]] = field(default_factory=list)
+    nearest_misses: dict[tuple[str, int, int, str], _Evaluated] = field(default_factory=dict)
+    static: dict[tuple, StaticMemory] = field(default_factory=dict)
+    activations: dict[tuple, ActivationEstimate] = field(default_factory=dict)
 
     @property
     def sequence_length(self) -> int:
         return self.spec.training.sequence_length
+
+    def static_memory(self, template: Strategy) -> StaticMemory:
+        key = (template.method, template.zero_stage, template.offload_optimizer, template.offload_parameters,
+               template.nodes, template.gpus_per_node, template.precision)  # fmt: skip
+        if key not in self.static:
+            self.static[key] = static_memory(self.shape, template, self.lora)
+        return self.static[key]
+
+    def activation_estimate(self, template: Strategy, micro_batch_size: int) -> ActivationEstimate:
+        key = (template.method, template.precision, template.gradient_checkpointing, micro_batch_size,
+               template.attention)  # fmt: skip
+        if key not in self.activations:
+            strategy = replace(template, micro_batch_size=micro_batch_size)
+            setup = activation_setup(self.shape, strategy, self.sequence_length, self.lora)
+            self.activations[key] = estimate_activations(self.shape, setup)
+        return self.activations[key]
 
 
 def plan_job(spec: FineTuneJobSpec, pools: Sequence[GPUPool], exclude: Collection[str] = ()) -> PlanResult:
@@ -57,20 +89,25 @@ def plan_job(spec: FineTuneJobSpec, pools: Sequence[GPUPool], exclude: Collectio
     shape = spec.model.architecture.shape()
     lora = LoraSettings(spec.lora.rank, tuple(spec.lora.target_modules), spec.lora.dropout > 0)
     search = _Search(spec, shape, lora, frozenset(exclude))
-    for capacity in _selected_pools(spec, pools):
-        _search_pool(search, capacity)
+    capacities = _selected_pools(spec, pools)
+    for method in _methods(spec):  # auto: stop at the highest-fidelity method that fits anywhere
+        for capacity in capacities:
+            _search_pool(search, capacity, method)
+        if search.fits:
+            break
 
-    ranked = sorted(
-        search.fits, key=lambda c: (METHOD_FIDELITY[c.strategy.method], -c.throughput.tokens_per_second)
-    )
-    misses = [rejected for _, rejected in sorted(search.nearest_misses.values(), key=lambda m: m[0])]
-    chosen = ranked[0] if ranked else None
+    ranked = sorted(search.fits, key=lambda fit: -fit[1].tokens_per_second)
+    candidates = [_to_candidate(search, evaluated, throughput) for evaluated, throughput in ranked[:MAX_CANDIDATES]]
+    misses = sorted(search.nearest_misses.values(), key=lambda miss: miss.miss_ratio)[:MAX_REJECTED]
+    rejected = [_to_rejected(search, miss) for miss in misses]
+    chosen = candidates[0] if candidates else None
+    advice = [] if chosen else advise(spec, shape, rejected, pools)
     return PlanResult(
         chosen=chosen,
-        candidates=ranked[:MAX_CANDIDATES],
-        rejected=misses,
+        candidates=candidates,
+        rejected=rejected,
         planning_seconds=round(time.perf_counter() - started, 6),
-        advice=[] if chosen else advise(spec, shape, misses, pools),
+        advice=advice,
     )
 
 
@@ -100,6 +137,7 @@ def layouts(capacity: PoolCapacity, max_gpus: int | None, global_batch: int) -> 
 
 
 def _methods(spec: FineTuneJobSpec) -> list[str]:
+    """auto prefers the method that changes the model least: full, then LoRA, then QLoRA."""
     if spec.method is Method.AUTO:
         return ["full", "lora", "qlora"]
     return [spec.method.value]
@@ -145,109 +183,107 @@ def _micro_batches(spec: FineTuneJobSpec, per_gpu_batch: int) -> list[int]:
     return [b for b in range(per_gpu_batch, 0, -1) if per_gpu_batch % b == 0]
 
 
-def _search_pool(search: _Search, capacity: PoolCapacity) -> None:
+def _search_pool(search: _Search, capacity: PoolCapacity, method: str) -> None:
     spec = search.spec
     limit = int(capacity.gpu_memory_bytes * (1 - spec.resources.memory_headroom_percent / 100))
-    attention = (spec.strategy.attention.value if spec.strategy.attention else "sdpa")
-    checkpointing = (
-        [spec.strategy.gradient_checkpointing] if spec.strategy.gradient_checkpointing is not None else [False, True]
-    )
+    attention = spec.strategy.attention.value if spec.strategy.attention else "sdpa"
+    pinned_ckpt = spec.strategy.gradient_checkpointing
+    checkpointing = [pinned_ckpt] if pinned_ckpt is not None else [False, True]
     for nodes, per_node in layouts(capacity, spec.resources.max_gpus, spec.training.global_batch_size):
         per_gpu_batch = spec.training.global_batch_size // (nodes * per_node)
+        micro_batches = _micro_batches(spec, per_gpu_batch)
+        if not micro_batches:
+            continue
         for precision in _precisions(spec, capacity):
-            for method in _methods(spec):
-                for stage, opt, params in _zero_options(spec, method, capacity):
-                    for ckpt in checkpointing:
-                        template = PlanStrategy.model_construct(
-                            method=method, pool=capacity.name, nodes=nodes, gpus_per_node=per_node,
-                            zero_stage=stage, offload_optimizer=opt, offload_parameters=params,
-                            gradient_checkpointing=ckpt, micro_batch_size=1, gradient_accumulation_steps=1,
-                            precision=precision, optimizer=spec.training.optimizer.value, attention=attention,
-                        )  # fmt: skip
-                        _largest_fitting_micro_batch(search, capacity, limit, template, per_gpu_batch)
+            for stage, opt, params in _zero_options(spec, method, capacity):
+                for ckpt in checkpointing:
+                    template = Strategy(
+                        method=method, pool=capacity.name, nodes=nodes, gpus_per_node=per_node,
+                        zero_stage=stage, offload_optimizer=opt, offload_parameters=params,
+                        gradient_checkpointing=ckpt, micro_batch_size=1, gradient_accumulation_steps=1,
+                        precision=precision, optimizer=spec.training.optimizer.value, attention=attention,
+                    )  # fmt: skip
+                    _largest_fitting_micro_batch(search, capacity, limit, template, micro_batches)
 
 
 def _largest_fitting_micro_batch(
-    search: _Search, capacity: PoolCapacity, limit: int, template: PlanStrategy, per_gpu_batch: int
+    search: _Search, capacity: PoolCapacity, limit: int, template: Strategy, micro_batches: list[int]
 ) -> None:
-    shape, lora = search.shape, search.lora
-    states = _cached_states(shape, template.method, template.zero_stage, template.offload_optimizer,
-                            template.offload_parameters, template.gpus, template.precision, template.optimizer,
-                            lora)  # fmt: skip
-    trainable = trainable_split(shape, template.method, lora.rank, lora.targets).trainable
-    total = shape.parameter_count
-    miss: tuple[float, PlanStrategy, PlanMemory, str] | None = None
-    for micro in _micro_batches(search.spec, per_gpu_batch):
-        strategy = template.model_copy(
-            update={"micro_batch_size": micro, "gradient_accumulation_steps": per_gpu_batch // micro}
-        )
-        if strategy.summary() in search.exclude:
-            miss = (float("inf"), strategy, _memory(search, strategy, states), "excluded: it ran out of memory before")
-            continue
-        memory = _memory(search, strategy, states)
+    """Find the largest micro-batch that fits; record it, or the nearest miss of its group."""
+    static = search.static_memory(template)
+    trainable = static.trainable
+    per_gpu_batch = micro_batches[0] * template.gradient_accumulation_steps
+
+    def attempt(micro: int) -> _Evaluated:
+        accumulation = per_gpu_batch // micro
+        memory = peak_memory(static, search.activation_estimate(template, micro), accumulation)
         ratio, reason = _shortfall(memory, limit, capacity)
-        if reason is None:
-            search.fits.append(_candidate(PlanCandidate, search, strategy, memory, capacity, trainable, total))
-            return
-        miss = (ratio, strategy, memory, reason)
-    if miss is None:
+        evaluated = _Evaluated(template, micro, accumulation, memory, capacity, trainable, ratio, reason)
+        if search.exclude and evaluated.strategy.summary() in search.exclude:
+            return replace(evaluated, miss_ratio=float("inf"), reason="excluded: it ran out of memory before")
+        return evaluated
+
+    # Memory grows with the micro-batch, except that accumulating (more than one micro-batch per step)
+    # keeps gradients alive: so try the no-accumulation micro-batch first, then bisect the rest.
+    best: _Evaluated | None = attempt(micro_batches[0])
+    smallest = best
+    if best.reason is not None:
+        best = None
+        low, high = 1, len(micro_batches) - 1
+        while low <= high:
+            middle = (low + high) // 2
+            result = attempt(micro_batches[middle])
+            if result.reason is None:
+                best, high = result, middle - 1
+            else:
+                low = middle + 1
+                if middle == len(micro_batches) - 1:
+                    smallest = result
+    if best is not None:
+        throughput = estimate_throughput(search.shape, best.strategy, capacity, search.sequence_length, trainable)
+        search.fits.append((best, throughput))
         return
-    ratio, strategy, memory, reason = miss
     key = (capacity.name, template.nodes, template.gpus_per_node, template.method)
-    best = search.nearest_misses.get(key)
-    if best is None or ratio < best[0]:
-        rejected = _candidate(RejectedCandidate, search, strategy, memory, capacity, trainable, total, reason=reason)
-        search.nearest_misses[key] = (ratio, rejected)
+    known = search.nearest_misses.get(key)
+    if known is None or smallest.miss_ratio < known.miss_ratio:
+        search.nearest_misses[key] = smallest
 
 
-def _memory(search: _Search, strategy: PlanStrategy, states: object) -> PlanMemory:
-    activations = _cached_activations(search.shape, strategy.method, strategy.precision,
-                                      strategy.gradient_checkpointing, strategy.micro_batch_size,
-                                      search.sequence_length, strategy.attention, search.lora)  # fmt: skip
-    return estimate_memory(search.shape, strategy, search.sequence_length, search.lora, states, activations)  # type: ignore[arg-type]
+def _shortfall(memory: MemoryEstimate, limit: int, capacity: PoolCapacity) -> tuple[float, str | None]:
+    """How far over its limits the plan is (the worst ratio), and why, or None when it fits."""
+    gpu, cpu, nvme = memory.total, memory.cpu_per_node, memory.nvme_per_node
+    nvme_capacity = capacity.nvme_bytes_per_node
+    gpu_ratio = gpu / limit
+    cpu_ratio = cpu / capacity.cpu_memory_bytes_per_node
+    nvme_ratio = nvme / nvme_capacity if nvme_capacity else (float("inf") if nvme else 0.0)
+    worst = max(gpu_ratio, cpu_ratio, nvme_ratio)
+    if worst <= 1:
+        return worst, None
+    if worst == gpu_ratio:
+        return worst, (f"GPU memory: needs {gpu / GIB:.1f} GiB per GPU, {limit / GIB:.1f} GiB usable "
+                       f"({capacity.gpu_memory_bytes / GIB:.1f} GiB less headroom)")  # fmt: skip
+    if worst == cpu_ratio:
+        return worst, (f"CPU memory: needs {cpu / GIB:.1f} GiB per node, the pool has "
+                       f"{capacity.cpu_memory_bytes_per_node / GIB:.1f} GiB")  # fmt: skip
+    return worst, f"NVMe: needs {nvme / GIB:.1f} GiB per node, the pool has {nvme_capacity / GIB:.1f} GiB"
 
 
-def _candidate(cls, search: _Search, strategy, memory, capacity, trainable: int, total: int, **extra):  # type: ignore[no-untyped-def]
-    throughput = estimate_throughput(search.shape, strategy, capacity, search.sequence_length, trainable)
-    return cls.model_construct(
-        strategy=strategy,
-        parameter_count=total,
-        trainable_parameter_count=trainable,
-        memory=memory,
-        gpu_memory_bytes=capacity.gpu_memory_bytes,
-        fits=cls is PlanCandidate,
-        throughput=throughput,
-        **extra,
-    )
+def _candidate_fields(search: _Search, evaluated: _Evaluated, throughput: PlanThroughput) -> dict:
+    return {
+        "strategy": PlanStrategy.from_strategy(evaluated.strategy),
+        "parameter_count": search.shape.parameter_count,
+        "trainable_parameter_count": evaluated.trainable,
+        "memory": evaluated.memory.to_api(),
+        "gpu_memory_bytes": evaluated.capacity.gpu_memory_bytes,
+        "fits": evaluated.reason is None,
+        "throughput": throughput,
+    }
 
 
-def _shortfall(memory: PlanMemory, limit: int, capacity: PoolCapacity) -> tuple[float, str | None]:
-    """How far over its limits the plan is (max ratio), and the reason, or None when it fits."""
-    gpu, node = memory.per_gpu.total, memory.per_node
-    checks = [
-        (gpu / limit, f"GPU memory: needs {gpu / GIB:.1f} GiB per GPU, {limit / GIB:.1f} GiB usable "
-                      f"({capacity.gpu_memory_bytes / GIB:.1f} GiB less headroom)"),
-        (node.cpu / capacity.cpu_memory_bytes_per_node,
-         f"CPU memory: needs {node.cpu / GIB:.1f} GiB per node, the pool has {capacity.cpu_memory_bytes_per_node / GIB:.1f} GiB"),
-        (node.nvme / capacity.nvme_bytes_per_node if capacity.nvme_bytes_per_node else (float("inf") if node.nvme else 0.0),
-         f"NVMe: needs {node.nvme / GIB:.1f} GiB per node, the pool has {capacity.nvme_bytes_per_node / GIB:.1f} GiB"),
-    ]  # fmt: skip
-    worst_ratio, worst_reason = max(checks, key=lambda check: check[0])
-    return worst_ratio, (worst_reason if worst_ratio > 1 else None)
+def _to_candidate(search: _Search, evaluated: _Evaluated, throughput: PlanThroughput) -> PlanCandidate:
+    return PlanCandidate(**_candidate_fields(search, evaluated, throughput))
 
 
-@lru_cache(maxsize=4096)
-def _cached_states(shape, method, stage, opt, params, gpus, precision, optimizer, lora):  # type: ignore[no-untyped-def]
-    strategy = PlanStrategy.model_construct(
-        method=method, zero_stage=stage, offload_optimizer=opt, offload_parameters=params, nodes=1,
-        gpus_per_node=gpus, precision=precision, optimizer=optimizer,
-    )  # fmt: skip
-    return model_states(shape, strategy, lora.rank, lora.targets)
-
-
-@lru_cache(maxsize=4096)
-def _cached_activations(shape, method, precision, ckpt, micro, sequence_length, attention, lora):  # type: ignore[no-untyped-def]
-    strategy = PlanStrategy.model_construct(
-        method=method, precision=precision, gradient_checkpointing=ckpt, micro_batch_size=micro, attention=attention
-    )
-    return estimate_activations(shape, activation_setup(shape, strategy, sequence_length, lora))
+def _to_rejected(search: _Search, miss: _Evaluated) -> RejectedCandidate:
+    throughput = estimate_throughput(search.shape, miss.strategy, miss.capacity, search.sequence_length, miss.trainable)
+    return RejectedCandidate(**_candidate_fields(search, miss, throughput), reason=miss.reason)

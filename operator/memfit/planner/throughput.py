@@ -8,7 +8,8 @@ orders of magnitude; its absolute numbers are estimates and are labelled so ever
 from __future__ import annotations
 
 from memfit.api.gpupool import PoolCapacity
-from memfit.api.plan import PlanStrategy, PlanThroughput
+from memfit.api.plan import PlanThroughput
+from memfit.strategy import Strategy
 from memfit.memory.states import compute_bytes
 from memfit.model_shape import ModelShape
 
@@ -26,7 +27,7 @@ FP32_SLOWDOWN = 8.0
 """fp32 matmuls run on TF32 or plain FP32 units, roughly an order of magnitude below 16-bit peak."""
 
 
-def _training_flops_per_token(shape: ModelShape, strategy: PlanStrategy, sequence_length: int) -> float:
+def _training_flops_per_token(shape: ModelShape, strategy: Strategy, sequence_length: int) -> float:
     """Forward 2N + causal attention; backward 2x forward for full training, 1x when the base is
     frozen (no weight gradients); checkpointing repeats the forward."""
     forward = 2 * shape.active_parameters_per_token + 2 * shape.num_layers * sequence_length * shape.q_size
@@ -43,7 +44,7 @@ def _peak_flops(pool: PoolCapacity, precision: str) -> float:
     return pool.peak_flops_fp16
 
 
-def _collective_bandwidth(pool: PoolCapacity, strategy: PlanStrategy) -> float:
+def _collective_bandwidth(pool: PoolCapacity, strategy: Strategy) -> float:
     """Bytes/s each GPU sees in a ring: NVLink/PCIe within a node, its share of the NICs across nodes."""
     if strategy.nodes == 1:
         return pool.intra_node_bytes_per_second
@@ -51,7 +52,7 @@ def _collective_bandwidth(pool: PoolCapacity, strategy: PlanStrategy) -> float:
 
 
 def _communication_seconds(
-    shape: ModelShape, strategy: PlanStrategy, pool: PoolCapacity, trainable: int, frozen_16bit: int
+    shape: ModelShape, strategy: Strategy, pool: PoolCapacity, trainable: int, frozen_16bit: int
 ) -> float:
     n = strategy.gpus
     if n == 1:
@@ -69,7 +70,7 @@ def _communication_seconds(
     return (grads + gathers) / _collective_bandwidth(pool, strategy)
 
 
-def _offload_seconds(shape: ModelShape, strategy: PlanStrategy, pool: PoolCapacity, trainable: int) -> float:
+def _offload_seconds(shape: ModelShape, strategy: Strategy, pool: PoolCapacity, trainable: int) -> float:
     n, per_node = strategy.gpus, strategy.gpus_per_node
     shard = trainable / n
     seconds = 0.0
@@ -90,7 +91,7 @@ def _offload_seconds(shape: ModelShape, strategy: PlanStrategy, pool: PoolCapaci
 
 def estimate_throughput(
     shape: ModelShape,
-    strategy: PlanStrategy,
+    strategy: Strategy,
     pool: PoolCapacity,
     sequence_length: int,
     trainable: int,

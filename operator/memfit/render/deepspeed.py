@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from memfit.api.finetunejob import FineTuneJobSpec
-from memfit.api.plan import PlanStrategy
+from memfit.strategy import Strategy
 from memfit.model_shape import ModelShape
 
 NVME_PATH = "/local_nvme"
@@ -41,7 +41,7 @@ def default_learning_rate(method: str) -> float:
     return 2e-5 if method == "full" else 2e-4
 
 
-def deepspeed_config(spec: FineTuneJobSpec, strategy: PlanStrategy) -> dict[str, Any]:
+def deepspeed_config(spec: FineTuneJobSpec, strategy: Strategy) -> dict[str, Any]:
     """The DeepSpeed JSON for running ``spec`` with ``strategy``."""
     shape = spec.model.architecture.shape()
     training = spec.training
@@ -79,7 +79,7 @@ def _offload(device: str) -> dict[str, Any]:
     return section
 
 
-def _zero_section(shape: ModelShape, strategy: PlanStrategy) -> dict[str, Any]:
+def _zero_section(shape: ModelShape, strategy: Strategy) -> dict[str, Any]:
     stage = strategy.zero_stage
     zero: dict[str, Any] = {"stage": stage}
     if stage == 0:
