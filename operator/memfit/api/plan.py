@@ -51,6 +51,10 @@ class PlanStrategy(ApiModel):
     attention: AttentionName
     """Attention kernel."""
 
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
     def to_strategy(self) -> Strategy:
         return Strategy(**self.model_dump())
 

@@ -53,11 +53,13 @@ def activation_setup(shape: ModelShape, strategy: Strategy, sequence_length: int
 def host_memory_per_node(shape: ModelShape, strategy: Strategy, states: ModelStates) -> tuple[int, int]:
     """(CPU, NVMe) bytes of one node: its ranks' offloaded states, or loading the model, if larger.
 
-    Every rank loads the 16-bit checkpoint into CPU memory before DeepSpeed moves or partitions it
-    (ZeRO-3 builds the model already partitioned, so it skips that)."""
+    Every rank loads the 16-bit checkpoint into CPU memory before DeepSpeed moves or partitions it.
+    ZeRO-3 builds the model already partitioned, and QLoRA quantizes shard by shard straight onto the
+    GPU, so neither holds the whole model on the host."""
     ranks = strategy.gpus_per_node
     steady = ranks * (states.cpu_per_rank + HOST_BYTES_PER_RANK)
-    loading = 0 if strategy.zero_stage == 3 else ranks * (2 * shape.parameter_count + HOST_BYTES_PER_RANK)
+    streams = strategy.zero_stage == 3 or strategy.method == "qlora"
+    loading = 0 if streams else ranks * (2 * shape.parameter_count + HOST_BYTES_PER_RANK)
     return max(steady, loading), ranks * states.nvme_per_rank
 
 

@@ -1,0 +1,35 @@
+"""Small builders for jobs and pools used across the planner tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memfit.api.finetunejob import FineTuneJobSpec
+from memfit.api.gpupool import GPUPool
+
+
+def pool(name: str, product: str, gpus_per_node: int, nodes: int, cpu_gib: float, nvme_gib: float = 0) -> GPUPool:
+    return GPUPool.model_validate({"metadata": {"name": name}, "spec": {
+        "gpuProduct": product, "gpusPerNode": gpus_per_node, "nodes": nodes,
+        "cpuMemoryGiBPerNode": cpu_gib, "nvmeGiBPerNode": nvme_gib}})  # fmt: skip
+
+
+def job(preset: str, method: str = "auto", batch: int = 32, sequence: int = 2048, **extra: Any) -> FineTuneJobSpec:
+    document: dict[str, Any] = {
+        "model": {"name": preset, "architecture": {"preset": preset}},
+        "dataset": {"source": {"pvc": "data"}},
+        "method": method,
+        "training": {"globalBatchSize": batch, "sequenceLength": sequence},
+        "output": {"pvc": "out"},
+    }
+    document.update(extra)
+    return FineTuneJobSpec.model_validate(document)
+
+
+A100_NODE = pool("a100", "NVIDIA-A100-SXM4-80GB", 8, 1, 1000)
+A100_4_NODES = pool("a100", "NVIDIA-A100-SXM4-80GB", 8, 4, 1000)
+ONE_A100 = pool("a100", "NVIDIA-A100-SXM4-80GB", 1, 1, 128)
+RTX_4090 = pool("rtx", "NVIDIA-GeForce-RTX-4090", 1, 1, 64)
+RTX_4090_BIG_HOST = pool("rtx", "NVIDIA-GeForce-RTX-4090", 1, 1, 256)
+V100_NODE = pool("v100", "Tesla-V100-SXM2-32GB", 8, 1, 700)
+GIB = 1024**3

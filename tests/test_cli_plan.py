@@ -1,0 +1,150 @@
+"""`memfit plan` as a user meets it: exit codes, the JSON contract, and one clear line per bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from memfit.cli.main import main
+from memfit.render.deepspeed import deepspeed_config
+from memfit.api.loading import load_documents
+
+ROOT = Path(__file__).parent.parent
+JOB = ROOT / "examples" / "llama-3.1-8b-lora.yaml"
+INVENTORY = ROOT / "examples" / "inventory.yaml"
+
+CANDIDATE_KEYS = {"strategy", "parameterCount", "trainableParameterCount", "memory", "gpuMemoryBytes", "fits", "throughput"}
+STRATEGY_KEYS = {"method", "pool", "nodes", "gpusPerNode", "zeroStage", "offloadOptimizer", "offloadParameters",
+                 "gradientCheckpointing", "microBatchSize", "gradientAccumulationSteps", "precision", "optimizer",
+                 "attention"}  # fmt: skip
+PER_GPU_KEYS = {"parameters", "gradients", "optimizerStates", "activations", "overhead", "peakAllocatedBytes", "total"}
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(["plan", *map(str, args)])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_table_shows_the_chosen_plan_and_its_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, JOB, "-i", INVENTORY)
+    assert code == 0
+    for text in ("Fits", "Memory per GPU (estimate)", "activations", "total", "Throughput (estimate)", "Runner-up"):
+        assert text in out
+
+
+def test_json_is_the_documented_contract(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, JOB, "-i", INVENTORY, "-o", "json")
+    assert code == 0
+    result = json.loads(out)
+    assert {"chosen", "candidates", "rejected", "planningSeconds"} <= set(result)
+    chosen = result["chosen"]
+    assert set(chosen) == CANDIDATE_KEYS
+    assert set(chosen["strategy"]) == STRATEGY_KEYS
+    assert set(chosen["memory"]["perGPU"]) == PER_GPU_KEYS
+    assert set(chosen["memory"]["perNode"]) == {"cpu", "nvme"}
+    assert set(chosen["throughput"]) == {"tokensPerSecond", "stepSeconds"}
+    assert result["candidates"][0] == chosen
+    assert all("reason" in r and r["fits"] is False for r in result["rejected"])
+
+
+def test_yaml_output_parses(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, JOB, "-i", INVENTORY, "-o", "yaml")
+    assert code == 0 and yaml.safe_load(out)["chosen"]["fits"] is True
+
+
+def test_nothing_fits_exits_1_and_still_explains(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    job = yaml.safe_load(JOB.read_text())
+    job["spec"]["model"]["architecture"] = {"preset": "llama-3.1-70b"}
+    job["spec"]["method"] = "full"
+    job["spec"]["resources"] = {"pool": "l4"}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    code, out, _ = run(capsys, path, "-i", INVENTORY, "-o", "json")
+    result = json.loads(out)
+    assert code == 1
+    assert result["chosen"] is None and result["rejected"] and result["advice"]
+
+
+def test_emit_ds_config_writes_what_the_operator_renders(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    target = tmp_path / "ds.json"
+    code, out, _ = run(capsys, JOB, "-i", INVENTORY, "-o", "json", "--emit-ds-config", target)
+    assert code == 0
+    written = json.loads(target.read_text())
+    chosen = json.loads(out)["chosen"]["strategy"]
+    from memfit.api.plan import PlanStrategy
+
+    job = load_documents(JOB).jobs[0]
+    assert written == deepspeed_config(job.spec, PlanStrategy.model_validate(chosen).to_strategy())
+    assert written["train_batch_size"] == 64
+    assert written["train_micro_batch_size_per_gpu"] == chosen["microBatchSize"]
+    assert written["zero_optimization"]["stage"] == chosen["zeroStage"]
+
+
+def edited(tmp_path: Path, change) -> Path:  # type: ignore[no-untyped-def]
+    job = yaml.safe_load(JOB.read_text())
+    change(job["spec"])
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+BAD_INPUTS = {
+    "unknown field": (lambda s: s["training"].update(globalBatchSzie=8), "spec.training.globalBatchSzie: unknown field"),
+    "wrong type": (lambda s: s["training"].update(sequenceLength="long"), "spec.training.sequenceLength"),
+    "not divisible": (
+        lambda s: (s["training"].update(globalBatchSize=30), s.update(strategy={"microBatchSize": 4})),
+        "globalBatchSize (30) is not divisible by strategy.microBatchSize (4)",
+    ),
+    "unknown preset": (lambda s: s["model"].update(architecture={"preset": "llama-9"}), "unknown preset 'llama-9'"),
+    "bad method": (lambda s: s.update(method="dora"), "spec.method: Input should be 'auto', 'full', 'lora' or 'qlora'"),
+    "bad lora target": (lambda s: s["lora"].update(targetModules=["qkv"]), "unknown LoRA target module(s) qkv"),
+    "zero3 qlora": (lambda s: s.update(method="qlora", strategy={"zeroStage": 3}), "qlora cannot run under ZeRO-3"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_exits_2_with_one_clear_line(case: str, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    change, expected = BAD_INPUTS[case]
+    code, out, err = run(capsys, edited(tmp_path, change), "-i", INVENTORY)
+    assert code == 2 and out == ""
+    assert expected in err
+    assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_unknown_gpu_product_names_the_field(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    inventory = tmp_path / "pools.yaml"
+    inventory.write_text(INVENTORY.read_text().replace("NVIDIA-L4", "NVIDIA-Q9000"))
+    code, _, err = run(capsys, JOB, "-i", inventory)
+    assert code == 2 and "GPUPool 'l4'" in err and "NVIDIA-Q9000" in err and "gpuMemoryGiB" in err
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [("a: [1,", "not valid YAML"), ("apiVersion: v1\nkind: Pod\n", "kind 'Pod' is not one memfit reads"),
+     ("apiVersion: memfit.dev/v2\nkind: GPUPool\n", "apiVersion must be memfit.dev/v1alpha1")],
+)  # fmt: skip
+def test_unreadable_documents(content: str, expected: str, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "x.yaml"
+    path.write_text(content)
+    code, _, err = run(capsys, JOB, "-i", path)
+    assert code == 2 and expected in err
+
+
+def test_missing_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, _, err = run(capsys, tmp_path / "nope.yaml")
+    assert code == 2 and "cannot read" in err
+
+
+def test_console_script_is_installed() -> None:
+    completed = subprocess.run(
+        [Path(sys.executable).parent / "memfit", "plan", JOB, "-i", INVENTORY, "-o", "json"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr
+    assert json.loads(completed.stdout)["chosen"]["fits"]

@@ -1,0 +1,85 @@
+"""The CRDs in crds/ are generated from the pydantic models; any drift fails here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from memfit.api.crd import CRD_FILES, crd_documents_yaml, crd_yaml
+from memfit.api.finetunejob import FineTuneJobSpec
+from memfit.api.plan import PlanStrategy
+from memfit.strategy import Strategy
+
+CRDS = Path(__file__).parent.parent / "crds"
+
+
+@pytest.mark.parametrize("name", sorted(CRD_FILES))
+def test_checked_in_crd_matches_models(name: str) -> None:
+    assert (CRDS / name).read_text() == crd_yaml(CRD_FILES[name]()), (
+        f"crds/{name} drifted from the models: regenerate with `memfit crd` (see README)"
+    )
+
+
+def _walk(schema: dict, path: str = ""):
+    yield path, schema
+    for name, child in schema.get("properties", {}).items():
+        yield from _walk(child, f"{path}.{name}")
+    for key in ("items", "additionalProperties"):
+        if isinstance(schema.get(key), dict):
+            yield from _walk(schema[key], f"{path}[]")
+
+
+@pytest.mark.parametrize("name", sorted(CRD_FILES))
+def test_schema_is_structural_and_documented(name: str) -> None:
+    crd = yaml.safe_load((CRDS / name).read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    text = json.dumps(schema)
+    for forbidden in ('"$ref"', '"anyOf"', '"oneOf"', '"const"', '"title"'):
+        assert forbidden not in text
+    for path, node in _walk(schema["properties"]["spec"], "spec"):
+        assert "type" in node, f"{path} has no type (a structural schema needs one everywhere)"
+        if not path.endswith("[]"):
+            assert node.get("description"), f"{path} has no description (kubectl explain shows it)"
+
+
+def test_kubernetes_spellings_of_acronyms() -> None:
+    spec = yaml.safe_load((CRDS / "memfit.dev_finetunejobs.yaml").read_text())
+    properties = spec["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    assert "maxGPUs" in properties["resources"]["properties"]
+    pools = yaml.safe_load((CRDS / "memfit.dev_gpupools.yaml").read_text())
+    pool = pools["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    assert {"gpuMemoryGiB", "cpuMemoryGiBPerNode", "peakTFLOPS", "nvmeGiBPerNode"} <= set(pool)
+
+
+def test_printer_columns_read_fields_that_exist() -> None:
+    crd = yaml.safe_load((CRDS / "memfit.dev_finetunejobs.yaml").read_text())
+    version = crd["spec"]["versions"][0]
+    status = version["schema"]["openAPIV3Schema"]["properties"]["status"]
+    for column in version["additionalPrinterColumns"]:
+        path = column["jsonPath"].strip(".").split(".")
+        if path[0] != "status":
+            continue
+        node = status
+        for part in path[1:]:
+            node = node["properties"][part]
+        assert node["type"] == column["type"] or (node["type"], column["type"]) == ("integer", "integer")
+
+
+def test_memfit_crd_prints_every_document() -> None:
+    documents = list(yaml.safe_load_all(crd_documents_yaml()))
+    assert {d["spec"]["names"]["kind"] for d in documents} == {"FineTuneJob", "GPUPool"}
+
+
+def test_spec_defaults_in_crd_equal_model_defaults() -> None:
+    crd = yaml.safe_load((CRDS / "memfit.dev_finetunejobs.yaml").read_text())
+    training = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["training"]
+    defaults = FineTuneJobSpec.model_fields["training"].default_factory()  # type: ignore[misc]
+    assert training["properties"]["globalBatchSize"]["default"] == defaults.global_batch_size
+    assert training["properties"]["sequenceLength"]["default"] == defaults.sequence_length
+
+
+def test_api_strategy_and_compute_strategy_have_the_same_fields() -> None:
+    assert list(PlanStrategy.model_fields) == list(Strategy.__dataclass_fields__)
