@@ -63,7 +63,9 @@ def main(repeats: int = 20) -> None:
             timings.append(time.perf_counter() - started)
         median = statistics.median(timings)
         chosen = result.chosen.strategy.summary() if result.chosen else "nothing fits"
-        print(f"{title:<22} {median * 1000:>10.1f} {max(timings) * 1000:>8.1f} {median / BUDGET_SECONDS:>13.2f}  {chosen}")
+        print(
+            f"{title:<22} {median * 1000:>10.1f} {max(timings) * 1000:>8.1f} {median / BUDGET_SECONDS:>13.2f}  {chosen}"
+        )
 
 
 if __name__ == "__main__":

@@ -10,15 +10,23 @@ from pathlib import Path
 import pytest
 import yaml
 
+from memfit.api.loading import load_documents
 from memfit.cli.main import main
 from memfit.render.deepspeed import deepspeed_config
-from memfit.api.loading import load_documents
 
 ROOT = Path(__file__).parent.parent
 JOB = ROOT / "examples" / "llama-3.1-8b-lora.yaml"
 INVENTORY = ROOT / "examples" / "inventory.yaml"
 
-CANDIDATE_KEYS = {"strategy", "parameterCount", "trainableParameterCount", "memory", "gpuMemoryBytes", "fits", "throughput"}
+CANDIDATE_KEYS = {
+    "strategy",
+    "parameterCount",
+    "trainableParameterCount",
+    "memory",
+    "gpuMemoryBytes",
+    "fits",
+    "throughput",
+}
 STRATEGY_KEYS = {"method", "pool", "nodes", "gpusPerNode", "zeroStage", "offloadOptimizer", "offloadParameters",
                  "gradientCheckpointing", "microBatchSize", "gradientAccumulationSteps", "precision", "optimizer",
                  "attention"}  # fmt: skip
@@ -95,7 +103,10 @@ def edited(tmp_path: Path, change) -> Path:  # type: ignore[no-untyped-def]
 
 
 BAD_INPUTS = {
-    "unknown field": (lambda s: s["training"].update(globalBatchSzie=8), "spec.training.globalBatchSzie: unknown field"),
+    "unknown field": (
+        lambda s: s["training"].update(globalBatchSzie=8),
+        "spec.training.globalBatchSzie: unknown field",
+    ),
     "wrong type": (lambda s: s["training"].update(sequenceLength="long"), "spec.training.sequenceLength"),
     "not divisible": (
         lambda s: (s["training"].update(globalBatchSize=30), s.update(strategy={"microBatchSize": 4})),

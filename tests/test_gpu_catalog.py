@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
 from memfit.catalog.gpus import GPU_ALIASES, GPU_PRODUCTS, GPUProduct, gpu_product
 
 REQUIRED = [

@@ -17,7 +17,9 @@ P = SHAPE.parameter_count
 PAPER_KEYS = {1: "p_os", 2: "p_os_g", 3: "p_os_g_p"}
 
 
-def strategy(stage: int, gpus: int, offload_optimizer: str = "none", offload_parameters: str = "none", **kw) -> Strategy:
+def strategy(
+    stage: int, gpus: int, offload_optimizer: str = "none", offload_parameters: str = "none", **kw
+) -> Strategy:
     fields = dict(method="full", pool="p", nodes=1, gpus_per_node=gpus, zero_stage=stage,
                   offload_optimizer=offload_optimizer, offload_parameters=offload_parameters,
                   gradient_checkpointing=False, micro_batch_size=1, gradient_accumulation_steps=1,

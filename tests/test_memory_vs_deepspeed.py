@@ -6,7 +6,7 @@ import pytest
 
 from memfit.memory.states import model_states
 from memfit.strategy import Strategy
-from tests.test_memory_states import ANCHORS, P, SHAPE, strategy
+from tests.test_memory_states import ANCHORS, SHAPE, P, strategy
 
 pytest.importorskip("deepspeed")
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs  # noqa: E402
@@ -59,5 +59,3 @@ def test_documented_deepspeed_rows_are_what_the_estimators_compute() -> None:
         )  # fmt: skip
         assert gpu / 2**30 == pytest.approx(row["per_gpu_gb"], abs=0.006)
         assert cpu / 2**30 == pytest.approx(row["per_cpu_gb"], abs=0.006)
-
-

@@ -78,7 +78,10 @@ def test_every_candidate_keeps_the_global_batch_exact_and_fits_with_headroom() -
         assert s.micro_batch_size * s.gradient_accumulation_steps * s.gpus == 48
         assert candidate.memory.per_gpu.total <= 0.85 * candidate.gpu_memory_bytes
         parts = candidate.memory.per_gpu
-        assert parts.total == parts.parameters + parts.gradients + parts.optimizer_states + parts.activations + parts.overhead
+        assert (
+            parts.total
+            == parts.parameters + parts.gradients + parts.optimizer_states + parts.activations + parts.overhead
+        )
     speeds = [c.throughput.tokens_per_second for c in result.candidates]
     assert speeds == sorted(speeds, reverse=True)
 

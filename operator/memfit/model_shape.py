@@ -9,11 +9,11 @@ The counts follow the Hugging Face ``transformers`` implementations of each fami
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from functools import cached_property
 
 
-class ModelFamily(str, Enum):
+class ModelFamily(StrEnum):
     """Architecture families memfit knows module by module (the ``model_type`` in ``transformers``)."""
 
     LLAMA = "llama"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 from typing import Annotated, Literal
 
 from pydantic import Field, PositiveInt, model_validator
@@ -13,7 +13,7 @@ from memfit.catalog.models import MODEL_PRESETS, model_preset
 from memfit.model_shape import ModelFamily, ModelShape
 
 
-class Method(str, Enum):
+class Method(StrEnum):
     """How the weights are trained."""
 
     AUTO = "auto"
@@ -22,7 +22,7 @@ class Method(str, Enum):
     QLORA = "qlora"
 
 
-class Optimizer(str, Enum):
+class Optimizer(StrEnum):
     ADAMW = "adamw"
     ADAMW_8BIT = "adamw8bit"
     PAGED_ADAMW_8BIT = "paged_adamw8bit"
@@ -30,26 +30,26 @@ class Optimizer(str, Enum):
     LION = "lion"
 
 
-class Precision(str, Enum):
+class Precision(StrEnum):
     AUTO = "auto"
     BF16 = "bf16"
     FP16 = "fp16"
     FP32 = "fp32"
 
 
-class Offload(str, Enum):
+class Offload(StrEnum):
     NONE = "none"
     CPU = "cpu"
     NVME = "nvme"
 
 
-class Attention(str, Enum):
+class Attention(StrEnum):
     SDPA = "sdpa"
     EAGER = "eager"
     FLASH = "flash"
 
 
-class DatasetFormat(str, Enum):
+class DatasetFormat(StrEnum):
     JSONL = "jsonl"
     PARQUET = "parquet"
     ARROW = "arrow"
@@ -114,7 +114,9 @@ class Architecture(ApiModel):
         if heads % kv:
             raise ValueError(f"numAttentionHeads ({heads}) must be a multiple of numKeyValueHeads ({kv})")
         if self.head_dim is None and (self.hidden_size or 0) % heads:
-            raise ValueError(f"hiddenSize ({self.hidden_size}) is not divisible by numAttentionHeads ({heads}); set headDim")
+            raise ValueError(
+                f"hiddenSize ({self.hidden_size}) is not divisible by numAttentionHeads ({heads}); set headDim"
+            )
         if self.experts_per_token > self.num_experts:
             raise ValueError("expertsPerToken cannot exceed numExperts")
         return self
@@ -282,14 +284,19 @@ class FineTuneJobSpec(ApiModel):
         if strategy.offload_parameters not in (None, Offload.NONE) and strategy.zero_stage not in (None, 3):
             raise ValueError("strategy.offloadParameters needs zeroStage 3 (only ZeRO-3 partitions parameters)")
         if self.method is Method.QLORA and strategy.zero_stage == 3:
-            raise ValueError("method qlora cannot run under ZeRO-3 (4-bit weights are not partitioned); use zeroStage 0-2")
+            raise ValueError(
+                "method qlora cannot run under ZeRO-3 (4-bit weights are not partitioned); use zeroStage 0-2"
+            )
         batch = self.training.global_batch_size
         if strategy.micro_batch_size is not None and batch % strategy.micro_batch_size:
             raise ValueError(
                 f"training.globalBatchSize ({batch}) is not divisible by strategy.microBatchSize "
                 f"({strategy.micro_batch_size})"
             )
-        if self.training.optimizer in (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT) and strategy.offload_optimizer in (
+        if self.training.optimizer in (
+            Optimizer.ADAMW_8BIT,
+            Optimizer.PAGED_ADAMW_8BIT,
+        ) and strategy.offload_optimizer in (
             Offload.CPU,
             Offload.NVME,
         ):
@@ -336,7 +343,7 @@ class Attempt(ApiModel):
     """The checkpoint step it started from, if any."""
 
 
-class Phase(str, Enum):
+class Phase(StrEnum):
     PENDING = "Pending"
     INVALID = "Invalid"
     UNSCHEDULABLE = "Unschedulable"

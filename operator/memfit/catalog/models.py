@@ -11,7 +11,9 @@ from memfit.model_shape import ModelFamily, ModelShape
 _F = ModelFamily
 
 
-def _shape(family: ModelFamily, h: int, i: int, layers: int, heads: int, kv: int, vocab: int, **kw: object) -> ModelShape:
+def _shape(
+    family: ModelFamily, h: int, i: int, layers: int, heads: int, kv: int, vocab: int, **kw: object
+) -> ModelShape:
     return ModelShape(family, h, i, layers, heads, kv, vocab, **kw)  # type: ignore[arg-type]
 
 

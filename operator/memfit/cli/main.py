@@ -37,11 +37,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser("plan", help="will this job fit, and how? (offline, no cluster)")
     plan.add_argument("job", type=Path, help="YAML file with the FineTuneJob (may also hold GPUPools)")
-    plan.add_argument("--inventory", "-i", type=Path, action="append", default=[],
-                      help="YAML file with GPUPool objects (repeatable)")  # fmt: skip
+    plan.add_argument(
+        "--inventory", "-i", type=Path, action="append", default=[], help="YAML file with GPUPool objects (repeatable)"
+    )
     plan.add_argument("--output", "-o", choices=["table", "json", "yaml"], default="table")
-    plan.add_argument("--emit-ds-config", type=Path, metavar="FILE",
-                      help="write the chosen plan's DeepSpeed config JSON here, as the operator renders it")  # fmt: skip
+    plan.add_argument(
+        "--emit-ds-config",
+        type=Path,
+        metavar="FILE",
+        help="write the chosen plan's DeepSpeed config JSON here, as the operator renders it",
+    )
     plan.add_argument("--job", dest="job_name", metavar="NAME", help="which FineTuneJob, if the file holds several")
     plan.set_defaults(handler=_plan)
 

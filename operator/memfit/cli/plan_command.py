@@ -20,7 +20,9 @@ def _select_job(jobs: list[FineTuneJob], name: str | None, source: Path) -> Fine
     if name is not None:
         matching = [job for job in jobs if job.metadata.name == name]
         if not matching:
-            raise InputError(f"{source}: no FineTuneJob named {name!r} (found: {', '.join(j.metadata.name for j in jobs)})")
+            raise InputError(
+                f"{source}: no FineTuneJob named {name!r} (found: {', '.join(j.metadata.name for j in jobs)})"
+            )
         return matching[0]
     if len(jobs) != 1:
         found = ", ".join(job.metadata.name for job in jobs) or "none"
@@ -28,7 +30,9 @@ def _select_job(jobs: list[FineTuneJob], name: str | None, source: Path) -> Fine
     return jobs[0]
 
 
-def run_plan(job_path: Path, inventory: list[Path], output: str, ds_config_path: Path | None, job_name: str | None) -> int:
+def run_plan(
+    job_path: Path, inventory: list[Path], output: str, ds_config_path: Path | None, job_name: str | None
+) -> int:
     try:
         documents = load_documents(job_path, *inventory)
         job = _select_job(documents.jobs, job_name, job_path)
@@ -41,7 +45,9 @@ def run_plan(job_path: Path, inventory: list[Path], output: str, ds_config_path:
         print_plan_table(job, result)
     else:
         data = result.model_dump(by_alias=True, mode="json")
-        sys.stdout.write(json.dumps(data, indent=2) + "\n" if output == "json" else yaml.safe_dump(data, sort_keys=False))
+        sys.stdout.write(
+            json.dumps(data, indent=2) + "\n" if output == "json" else yaml.safe_dump(data, sort_keys=False)
+        )
 
     if ds_config_path is not None and result.chosen is not None:
         config = deepspeed_config(job.spec, result.chosen.strategy)

@@ -47,10 +47,10 @@ def why_lost(candidate: PlanCandidate, chosen: PlanCandidate) -> str:
 def print_plan_table(job: FineTuneJob, result: PlanResult, console: Console | None = None) -> None:
     console = console or Console(highlight=False, width=max(120, Console().width))
     spec = job.spec
-    shape = spec.model.architecture.shape()
+    shape, training = spec.model.architecture.shape(), spec.training
     console.print(
         f"[bold]{job.metadata.name}[/]: {spec.model.name} ({_params(shape.parameter_count)} parameters), "
-        f"method {spec.method.value}, {spec.training.global_batch_size} x {spec.training.sequence_length} tokens per step"
+        f"method {spec.method.value}, {training.global_batch_size} x {training.sequence_length} tokens per step"
     )
     chosen = result.chosen
     if chosen is None:

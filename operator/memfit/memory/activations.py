@@ -106,10 +106,9 @@ def estimate_activations(shape: ModelShape, setup: ActivationSetup) -> Activatio
     logits = logits_peak(shape, setup)
     transient = 2 * t * max(shape.intermediate_size, shape.hidden_size) * w
     layers = shape.num_layers
-    if setup.gradient_checkpointing:
-        kept = layers * between + per_layer + transient
-    else:
-        kept = layers * per_layer + transient
+    kept_per_layer = between if setup.gradient_checkpointing else per_layer
+    recomputed = per_layer if setup.gradient_checkpointing else 0
+    kept = layers * kept_per_layer + recomputed + transient
     return ActivationEstimate(
         saved_per_layer=per_layer,
         kept_between_layers=between,

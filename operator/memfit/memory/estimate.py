@@ -16,11 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.api.plan import PerGPUMemory, PerNodeMemory, PlanMemory
-from memfit.strategy import Strategy
 from memfit.memory.activations import ActivationEstimate, ActivationSetup, estimate_activations
 from memfit.memory.overhead import FRAGMENTATION, overhead
 from memfit.memory.states import ModelStates, model_states, trainable_split
 from memfit.model_shape import ModelShape
+from memfit.strategy import Strategy
 
 GIB = 1024**3
 HOST_BYTES_PER_RANK = 3 * GIB
@@ -35,7 +35,9 @@ class LoraSettings:
     dropout: bool
 
 
-def activation_setup(shape: ModelShape, strategy: Strategy, sequence_length: int, lora: LoraSettings) -> ActivationSetup:
+def activation_setup(
+    shape: ModelShape, strategy: Strategy, sequence_length: int, lora: LoraSettings
+) -> ActivationSetup:
     targets = shape.resolve_lora_targets(lora.targets) if strategy.method != "full" else frozenset()
     return ActivationSetup(
         method=strategy.method,

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.strategy import Strategy
 from memfit.memory.states import compute_bytes
 from memfit.model_shape import ModelShape
 from memfit.render.deepspeed import bucket_elements
+from memfit.strategy import Strategy
 
 MIB = 1024**2
 

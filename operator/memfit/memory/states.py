@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from memfit.strategy import Strategy
 from memfit.model_shape import ModelShape
+from memfit.strategy import Strategy
 
 FP32 = 4
 
@@ -67,7 +67,9 @@ def trainable_split(shape: ModelShape, method: str, lora_rank: int, lora_targets
     adapters = shape.lora_parameters(lora_rank, lora_targets)
     targets = shape.resolve_lora_targets(lora_targets)
     factored = shape.num_layers * sum(
-        (lora_rank + m.in_features + m.out_features + lora_rank) * m.count for m in shape.layer_linears if m.name in targets
+        (lora_rank + m.in_features + m.out_features + lora_rank) * m.count
+        for m in shape.layer_linears
+        if m.name in targets
     )
     if method == "qlora":
         quantized = shape.quantizable_parameters

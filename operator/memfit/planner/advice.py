@@ -31,10 +31,14 @@ def advise(
     advice.append(f"it needs {gap / GIB:.1f} GiB more per GPU: a GPU with at least "
                   f"{gpu.total / headroom / GIB:.0f} GiB would fit it")  # fmt: skip
     if gpu.activations > gap and spec.training.sequence_length > 256:
-        advice.append(f"activations take {gpu.activations / GIB:.1f} GiB at sequenceLength "
-                      f"{spec.training.sequence_length}: a shorter sequence or gradient checkpointing shrinks them")  # fmt: skip
+        advice.append(
+            f"activations take {gpu.activations / GIB:.1f} GiB at sequenceLength {spec.training.sequence_length}: "
+            "a shorter sequence or gradient checkpointing shrinks them"
+        )
     if spec.method not in (Method.AUTO, Method.QLORA):
-        advice.append("method auto (or lora/qlora) trains adapters on a frozen, possibly 4-bit base: far smaller states")
+        advice.append(
+            "method auto (or lora/qlora) trains adapters on a frozen, possibly 4-bit base: far smaller states"
+        )
     states = gpu.parameters + gpu.gradients + gpu.optimizer_states
     if states > gap and strategy.zero_stage == 3:
         advice.append("more GPUs: ZeRO-3 divides weights, gradients and optimizer states by the GPU count "
