@@ -159,3 +159,10 @@ def test_console_script_is_installed() -> None:
     )  # fmt: skip
     assert completed.returncode == 0, completed.stderr
     assert json.loads(completed.stdout)["chosen"]["fits"]
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in (ROOT / "examples").glob("*.yaml") if p != INVENTORY))
+def test_every_example_job_plans(example: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, ROOT / "examples" / example, "-i", INVENTORY, "-o", "json")
+    assert code == 0, err
+    assert json.loads(out)["chosen"]["fits"]
