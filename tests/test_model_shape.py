@@ -54,8 +54,16 @@ def test_unknown_lora_target_names_the_family_modules() -> None:
 
 def test_explicit_architecture_equals_the_preset() -> None:
     explicit = Architecture.model_validate(
-        {"family": "qwen2", "hiddenSize": 896, "intermediateSize": 4864, "numLayers": 24, "numAttentionHeads": 14,
-         "numKeyValueHeads": 2, "vocabSize": 151936, "tieWordEmbeddings": True}  # fmt: skip
+        {
+            "family": "qwen2",
+            "hiddenSize": 896,
+            "intermediateSize": 4864,
+            "numLayers": 24,
+            "numAttentionHeads": 14,
+            "numKeyValueHeads": 2,
+            "vocabSize": 151936,
+            "tieWordEmbeddings": True,
+        }  # fmt: skip
     )
     assert explicit.shape() == MODEL_PRESETS["qwen2.5-0.5b"]
     assert explicit.shape().family is ModelFamily.QWEN2
@@ -66,8 +74,17 @@ def test_explicit_architecture_equals_the_preset() -> None:
     [
         ({"preset": "llama-2-7b", "hiddenSize": 10}, "either `preset` or the explicit sizes"),
         ({"hiddenSize": 64}, "without a `preset`, these sizes are required: intermediateSize"),
-        ({"hiddenSize": 64, "intermediateSize": 128, "numLayers": 2, "numAttentionHeads": 6, "numKeyValueHeads": 4,
-          "vocabSize": 100}, "must be a multiple of numKeyValueHeads"),  # fmt: skip
+        (
+            {
+                "hiddenSize": 64,
+                "intermediateSize": 128,
+                "numLayers": 2,
+                "numAttentionHeads": 6,
+                "numKeyValueHeads": 4,
+                "vocabSize": 100,
+            },
+            "must be a multiple of numKeyValueHeads",
+        ),  # fmt: skip
     ],
 )
 def test_architecture_errors(document: dict, message: str) -> None:

@@ -1,13 +1,20 @@
 """Peak activation memory of one micro-batch's forward and backward, from the model's shape.
 
 Derived op by op from what autograd saves in the ``transformers`` decoder layer of each family (the
-tensors a backward pass needs), then checked against PyTorch MemTracker traces of real training steps
-(``bench/memtrace_grid.py``; tests in ``tests/test_activations_vs_traces.py``). Every term is a tensor
-size; there are no fitted fudge factors, which is what lets the model carry over to shapes that were
-never traced.
+tensors a backward pass needs), and checked against PyTorch MemTracker traces of real training steps
+(``bench/memtrace_grid.py`` writes them, ``bench/estimate_vs_trace.py`` prints the error table,
+``tests/test_activations_vs_traces.py`` keeps it small). Every term is a tensor size; nothing is a fitted
+factor, which is what lets the model carry over to shapes that were never traced.
 
 Notation: t = micro_batch x sequence tokens, h hidden, i intermediate, q = heads x head_dim,
 kv = kv_heads x head_dim, V vocabulary, w bytes per element of the compute dtype.
+
+The peak is the larger of two moments. At the start of the backward pass every layer's saved tensors,
+the final norm's and the loss's buffers are alive together (the fp32 log-softmax output plus two fp32
+logits-sized gradients: 12 bytes per token and vocabulary entry, whatever the compute dtype). Inside the
+last layer's backward the loss buffers are gone but the layer's gradient temporaries are there (with
+eager attention at long sequences, the scores' gradients win). With gradient checkpointing each layer
+keeps only its input, and the second moment also holds the recomputed layer.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from memfit.memory.states import FP32
 from memfit.model_shape import ModelFamily, ModelShape
 
 BOOL = 1
+LOSS_BYTES_PER_LOGIT = 3 * FP32
+"""Log-softmax output (fp32) saved by cross-entropy, and the two fp32 gradients its backward makes."""
 
 
 @dataclass(frozen=True)
@@ -33,6 +42,17 @@ class ActivationSetup:
     lora_rank: int = 0
     lora_targets: frozenset[str] = frozenset()
     lora_dropout: bool = True
+    adapter_bytes: int = 2
+    """LoRA adapters' dtype: DeepSpeed's bf16/fp16 engine casts them to the compute dtype; plain
+    peft keeps them in fp32 (autocast_adapter_dtype)."""
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch_size * self.sequence_length
+
+    @property
+    def element_bytes(self) -> int:
+        return FP32 if self.precision == "fp32" else 2
 
 
 @dataclass(frozen=True)
@@ -41,78 +61,152 @@ class ActivationEstimate:
     """Bytes one decoder layer keeps for its backward pass."""
     kept_between_layers: int
     """Bytes kept per layer under gradient checkpointing (its input)."""
-    logits_peak: int
-    """LM head, upcast and cross-entropy buffers alive at the loss."""
-    layer_backward_transient: int
-    """Scratch of one layer's backward (gradients of its activations)."""
+    loss_moment: int
+    """Start of the backward pass: every layer's saved tensors, the final norm and the loss buffers."""
+    layer_moment: int
+    """Worst point of the last layer's backward (the loss buffers are gone; the LM head's weight
+    gradient, counted with the gradients, is already there)."""
+    first_layer_moment: int
+    """Worst point of the first layer's backward, the last one to run (nearly all gradients exist)."""
+    backward_end: int
+    """End of the backward pass: the embedding output's gradient."""
     peak: int
     """Peak bytes of the forward + backward beyond weights, gradients and optimizer states."""
 
 
-def _attention_saved(shape: ModelShape, setup: ActivationSetup, t: int, w: int) -> int:
-    """Tensors the attention core keeps: q, k, v after RoPE and what the kernel saves."""
-    b, s = setup.micro_batch_size, setup.sequence_length
-    q, kv = shape.q_size, shape.kv_size
-    if setup.attention == "eager" or shape.family is ModelFamily.GEMMA2 and setup.attention != "flash":
-        # Scores are materialised: softmax output in fp32 and its 16-bit cast for the value matmul;
-        # keys and values are repeated to all query heads first (repeat_kv).
-        scores = b * shape.num_attention_heads * s * s * (FP32 + w)
-        return scores + t * 3 * q * w
-    # Fused kernels (SDPA, flash) keep q, k, v, the output and a log-sum-exp per row.
-    return t * (q + 2 * kv) * w + t * q * w + b * shape.num_attention_heads * s * FP32
+def uses_eager_attention(shape: ModelShape, setup: ActivationSetup) -> bool:
+    """Gemma 2 soft-caps attention scores, which SDPA cannot do: transformers runs it eagerly."""
+    return setup.attention == "eager" or (shape.family is ModelFamily.GEMMA2 and setup.attention != "flash")
 
 
-def _lora_saved(shape: ModelShape, setup: ActivationSetup, t: int, w: int) -> int:
-    """Each adapter keeps its (dropped-out) input and the rank-r intermediate."""
+def _rms_norm(shape: ModelShape, setup: ActivationSetup, output_kept: bool) -> int:
+    """RMSNorm keeps its input upcast to fp32 (and an fp32 rsqrt per token); when its weight is trained
+    also the normalised value (fp32 in Gemma's norm, which computes in fp32 throughout). Its output is
+    kept by the linear layers it feeds only when their weights are trained."""
+    t, h, w = setup.tokens, shape.hidden_size, setup.element_bytes
+    kept = t * (h * FP32 + FP32)
+    if setup.method == "full":
+        kept += t * h * (FP32 if shape.family is ModelFamily.GEMMA2 else w)
+    if output_kept:
+        kept += t * h * w
+    return kept
+
+
+def _norms(shape: ModelShape, setup: ActivationSetup) -> int:
+    full = setup.method == "full"
+    if shape.family is ModelFamily.GEMMA2:  # pre-norms feed linears, post-norms feed the residual add
+        return 2 * _rms_norm(shape, setup, full) + 2 * _rms_norm(shape, setup, False)
+    return shape.norms_per_layer * _rms_norm(shape, setup, full)
+
+
+def _attention(shape: ModelShape, setup: ActivationSetup) -> int:
+    """q, k, v after RoPE and what the attention kernel keeps."""
+    b, s, t, w = setup.micro_batch_size, setup.sequence_length, setup.tokens, setup.element_bytes
+    q, kv, heads = shape.q_size, shape.kv_size, shape.num_attention_heads
+    if uses_eager_attention(shape, setup):
+        # Keys and values are repeated to every query head (repeat_kv); the softmax keeps its fp32
+        # output and the value matmul its 16-bit cast; the output is copied for o_proj.
+        scores = b * heads * s * s * (FP32 + w)
+        if shape.family is ModelFamily.GEMMA2:
+            scores += b * heads * s * s * w  # tanh of the soft-capped scores
+        fused = t * (q + 2 * kv) * w if shape.family is ModelFamily.PHI3 else 0  # v is a view of it
+        return fused + t * 3 * q * w + scores + t * q * w
+    lse = t * heads * FP32
+    if shape.family is ModelFamily.PHI3:
+        # v is a view of the fused qkv output, which stays alive whole; RoPE's cat lays q out so
+        # that the kernel's output (allocated like q) must be copied for o_proj.
+        return t * w * ((q + 2 * kv) + (q + kv) + 2 * q) + lse
+    # Fused kernels (SDPA's flash/efficient backends, flash-attn) keep q, k, v, the output (laid out
+    # so that o_proj reads it without a copy) and one fp32 log-sum-exp per row and head.
+    return t * (2 * q + 2 * kv) * w + lse
+
+
+def _mlp(shape: ModelShape, setup: ActivationSetup) -> int:
+    """Gated MLP: gate (for the activation), act(gate) and up (for their product), and the product
+    (for down_proj's weight gradient, so only when it is trained). MoE: the routed experts' tokens."""
+    width = shape.intermediate_size * (shape.experts_per_token if shape.is_moe else 1)
+    kept = 4 if setup.method == "full" else 3
+    return kept * setup.tokens * width * setup.element_bytes
+
+
+_SHARED_INPUTS = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "qkv_proj": "attn",
+                  "gate_proj": "mlp", "up_proj": "mlp", "gate_up_proj": "mlp", "w1": "mlp", "w3": "mlp"}  # fmt: skip
+"""Adapters whose base modules read the same tensor (they share it when no copy is made)."""
+
+
+def _lora(shape: ModelShape, setup: ActivationSetup) -> int:
+    """Adapters keep their input (their own copy when dropout or a dtype cast makes one, with the
+    dropout's bool mask) and the rank-r output of lora_A, both in the adapters' dtype."""
     if setup.method == "full":
         return 0
-    per_layer = 0
+    t, w, adapter = setup.tokens, setup.element_bytes, setup.adapter_bytes
+    copies = setup.lora_dropout or adapter != w
+    saved, shared_seen = 0, set()
     for module in shape.layer_linears:
-        if module.name in setup.lora_targets:
-            dropout = t * module.in_features * (w + BOOL) if setup.lora_dropout else 0
-            per_layer += module.count * (dropout + t * setup.lora_rank * w)
-    return per_layer
+        if module.name not in setup.lora_targets:
+            continue
+        saved += module.count * t * setup.lora_rank * adapter
+        if copies:
+            saved += module.count * t * module.in_features * (adapter + (BOOL if setup.lora_dropout else 0))
+        elif _SHARED_INPUTS.get(module.name) not in shared_seen:
+            saved += module.count * t * module.in_features * w
+            shared_seen.add(_SHARED_INPUTS.get(module.name, module.name))
+    return saved
 
 
 def saved_per_layer(shape: ModelShape, setup: ActivationSetup) -> int:
     """Bytes one decoder layer saves for backward (no checkpointing)."""
-    t = setup.micro_batch_size * setup.sequence_length
-    w = FP32 if setup.precision == "fp32" else 2
-    h, i = shape.hidden_size, shape.intermediate_size
-    norm_input = FP32 * t * h  # RMSNorm upcasts its input to fp32 and keeps it
-    norm = norm_input + 2 * w * t * h  # plus the normalised value (for the weight grad) and its output
-    mlp_width = i * (shape.experts_per_token if shape.is_moe else 1)
-    saved = shape.norms_per_layer * norm
-    saved += _attention_saved(shape, setup, t, w)
-    saved += t * shape.q_size * w  # attention output, reshaped for o_proj
-    saved += 4 * t * mlp_width * w  # gate, act(gate), up, act*up
-    saved += _lora_saved(shape, setup, t, w)
-    return saved
+    return _norms(shape, setup) + _attention(shape, setup) + _mlp(shape, setup) + _lora(shape, setup)
 
 
-def logits_peak(shape: ModelShape, setup: ActivationSetup) -> int:
-    """The loss: 16-bit logits, their fp32 upcast and the log-softmax output alive together."""
-    t = setup.micro_batch_size * setup.sequence_length
-    w = FP32 if setup.precision == "fp32" else 2
-    upcast = 0 if w == FP32 else FP32
-    return t * shape.vocab_size * (w + upcast + FP32)
+def head_and_loss(shape: ModelShape, setup: ActivationSetup) -> int:
+    """The final norm, the LM head's input (when the head is trained) and the loss at the start of the
+    backward pass. Gemma 2 also soft-caps the logits (a tanh whose 16-bit output is kept)."""
+    loss = setup.tokens * shape.vocab_size * LOSS_BYTES_PER_LOGIT
+    if shape.family is ModelFamily.GEMMA2:
+        loss += setup.tokens * shape.vocab_size * setup.element_bytes
+    return _rms_norm(shape, setup, setup.method == "full") + loss
+
+
+def _eager_attention_backward(shape: ModelShape, setup: ActivationSetup, per_layer: int) -> int:
+    """Inside the attention backward: the MLP's saved tensors are freed, the scores' gradients (fp32 and
+    16-bit, like the scores) are alive, and in full fine-tuning so are the MLP weights' gradients."""
+    t, w = setup.tokens, setup.element_bytes
+    scores_gradient = setup.micro_batch_size * shape.num_attention_heads * setup.sequence_length**2 * (FP32 + w)
+    mlp_weights = sum(m.weight_parameters for m in shape.layer_linears[-3:]) * w if setup.method == "full" else 0
+    return per_layer - _mlp(shape, setup) + scores_gradient + 2 * t * shape.hidden_size * w + mlp_weights
+
+
+def layer_backward_moment(shape: ModelShape, setup: ActivationSetup, per_layer: int) -> int:
+    """Bytes one layer holds at the worst point of its backward: its saved tensors plus the gradients
+    of the MLP's activations and of the layer output (a LoRA on down_proj adds its input gradient,
+    cast back from the adapters' dtype), or, with eager attention, the scores' gradients."""
+    t, w, i = setup.tokens, setup.element_bytes, shape.intermediate_size
+    mlp = t * (2 * i * w + 2 * shape.hidden_size * w)
+    if setup.method != "full" and "down_proj" in setup.lora_targets:
+        mlp += t * i * (setup.adapter_bytes + w)
+    moment = per_layer + mlp
+    if uses_eager_attention(shape, setup):
+        moment = max(moment, _eager_attention_backward(shape, setup, per_layer))
+    return moment
 
 
 def estimate_activations(shape: ModelShape, setup: ActivationSetup) -> ActivationEstimate:
-    t = setup.micro_batch_size * setup.sequence_length
-    w = FP32 if setup.precision == "fp32" else 2
     per_layer = saved_per_layer(shape, setup)
-    between = t * shape.hidden_size * w
-    logits = logits_peak(shape, setup)
-    transient = 2 * t * max(shape.intermediate_size, shape.hidden_size) * w
+    between = setup.tokens * shape.hidden_size * setup.element_bytes
     layers = shape.num_layers
-    kept_per_layer = between if setup.gradient_checkpointing else per_layer
-    recomputed = per_layer if setup.gradient_checkpointing else 0
-    kept = layers * kept_per_layer + recomputed + transient
+    # Under checkpointing every layer keeps its input, and the one being back-propagated is recomputed.
+    others = layers * between if setup.gradient_checkpointing else (layers - 1) * per_layer
+    kept = layers * between if setup.gradient_checkpointing else layers * per_layer
+    loss_moment = kept + head_and_loss(shape, setup)
+    one_layer = layer_backward_moment(shape, setup, per_layer)
+    layer_moment = others + one_layer
     return ActivationEstimate(
         saved_per_layer=per_layer,
         kept_between_layers=between,
-        logits_peak=logits,
-        layer_backward_transient=transient,
-        peak=kept + logits,
+        loss_moment=loss_moment,
+        layer_moment=layer_moment,
+        first_layer_moment=one_layer + (between if setup.gradient_checkpointing else 0),
+        backward_end=between,
+        peak=max(loss_moment, layer_moment),
     )

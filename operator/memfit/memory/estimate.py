@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from memfit.api.plan import PerGPUMemory, PerNodeMemory, PlanMemory
 from memfit.memory.activations import ActivationEstimate, ActivationSetup, estimate_activations
 from memfit.memory.overhead import FRAGMENTATION, overhead
-from memfit.memory.states import ModelStates, model_states, trainable_split
+from memfit.memory.states import ModelStates, compute_bytes, model_states, trainable_split
 from memfit.model_shape import ModelShape
 from memfit.strategy import Strategy
 
@@ -49,6 +49,7 @@ def activation_setup(
         lora_rank=lora.rank if strategy.method != "full" else 0,
         lora_targets=targets,
         lora_dropout=lora.dropout,
+        adapter_bytes=compute_bytes(strategy.precision),  # DeepSpeed's engine casts adapters to it
     )
 
 
@@ -110,6 +111,7 @@ class StaticMemory:
     cpu_per_node: int
     nvme_per_node: int
     zero_stage: int
+    gradients_timeline: GradientTimeline
 
 
 def static_memory(shape: ModelShape, strategy: Strategy, lora: LoraSettings) -> StaticMemory:
@@ -117,27 +119,77 @@ def static_memory(shape: ModelShape, strategy: Strategy, lora: LoraSettings) -> 
     trainable = trainable_split(shape, strategy.method, lora.rank, lora.targets).trainable
     fixed = overhead(shape, strategy, trainable, churning_bytes=0)
     cpu, nvme = host_memory_per_node(shape, strategy, states)
-    return StaticMemory(states, trainable, fixed.communication_buffers, fixed.cuda_context + fixed.nccl, cpu, nvme,
-                        strategy.zero_stage)  # fmt: skip
+    return StaticMemory(
+        states=states,
+        trainable=trainable,
+        communication_buffers=fixed.communication_buffers,
+        runtime=fixed.cuda_context + fixed.nccl,
+        cpu_per_node=cpu,
+        nvme_per_node=nvme,
+        zero_stage=strategy.zero_stage,
+        gradients_timeline=gradient_timeline(shape, strategy.method, strategy.precision),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class GradientTimeline:
+    """When gradients appear in the backward pass (full fine-tuning; adapters' are negligible)."""
+
+    head: int
+    """The LM head's weight gradient, made first."""
+    missing_at_first_layer: int
+    """Not yet made while the first layer back-propagates: its own and the (untied) embedding's."""
+    tied_extra: int
+    """Tied embeddings: at the very end the head's and the embedding's gradients and their sum are
+    alive together."""
+
+
+def gradient_timeline(shape: ModelShape, method: str, precision: str) -> GradientTimeline:
+    if method != "full":
+        return GradientTimeline(0, 0, 0)
+    w = compute_bytes(precision)
+    head = shape.vocab_size * shape.hidden_size * w
+    embedding = 0 if shape.tie_word_embeddings else head
+    return GradientTimeline(
+        head=head,
+        missing_at_first_layer=shape.layer_parameters * w + embedding,
+        tied_extra=2 * head if shape.tie_word_embeddings else 0,
+    )
+
+
+def forward_backward_moments(
+    activations: ActivationEstimate, gradients: int, grads_persist: bool, timeline: GradientTimeline
+) -> tuple[int, int]:
+    """(gradient bytes, activation bytes) at the worst moment of the forward and backward passes.
+
+    Gradients grow as the backward pass frees activations, so the candidates are: its start (loss
+    buffers), the last layer's backward (the head's gradient exists), the first layer's backward
+    (nearly every gradient exists), and its end (tied embeddings' extra gradient copies)."""
+    resident = gradients if grads_persist else 0
+    at_first_layer = gradients if grads_persist else max(0, gradients - timeline.missing_at_first_layer)
+    moments = [
+        (resident, activations.loss_moment),
+        (resident + timeline.head, activations.layer_moment),
+        (at_first_layer, activations.first_layer_moment),
+        (gradients + timeline.tied_extra, activations.backward_end),
+    ]
+    return max(moments, key=sum)
 
 
 def peak_memory(static: StaticMemory, activations: ActivationEstimate, accumulation_steps: int) -> MemoryEstimate:
     """Combine the static part with one micro-batch's activations into the step's peak."""
     states = static.states
+    # Accumulating micro-batches keeps gradients alive across them; ZeRO-2/3 keep their partition.
     grads_persist = accumulation_steps > 1 or static.zero_stage >= 2
     base = states.parameters + states.optimizer_states + static.communication_buffers
-    if grads_persist:
-        fwd_bwd_grads, fwd_bwd_acts = states.gradients, activations.peak
-    elif activations.peak >= states.gradients:
-        fwd_bwd_grads, fwd_bwd_acts = 0, activations.peak
+    fwd_bwd_grads, acts = forward_backward_moments(
+        activations, states.gradients, grads_persist, static.gradients_timeline
+    )
+    step_grads = states.gradients + states.step_gradients
+    if fwd_bwd_grads + acts >= step_grads:
+        gradients, peak = fwd_bwd_grads, base + fwd_bwd_grads + acts
     else:
-        fwd_bwd_grads, fwd_bwd_acts = states.gradients, 0
-    fwd_bwd = base + fwd_bwd_grads + fwd_bwd_acts
-    step = base + states.gradients + states.step_gradients
-    if fwd_bwd >= step:
-        gradients, acts, peak = fwd_bwd_grads, fwd_bwd_acts, fwd_bwd
-    else:
-        gradients, acts, peak = states.gradients + states.step_gradients, 0, step
+        gradients, acts, peak = step_grads, 0, base + step_grads
     fragmentation = int(FRAGMENTATION * (activations.peak + states.gradients))
     return MemoryEstimate(
         parameters=states.parameters,

@@ -109,16 +109,14 @@ def model_states(shape: ModelShape, strategy: Strategy, lora_rank: int, lora_tar
     w = compute_bytes(strategy.precision)
     mixed = strategy.precision != "fp32"
 
-    # QLoRA: adapters and the non-quantized weights are fp32 (peft's k-bit preparation upcasts every
-    # 16-bit parameter); only the decoder linears are 4-bit.
-    quantized = strategy.method == "qlora"
-    trainable_bytes = FP32 if quantized else w
-    frozen_bytes = split.frozen_quantized * NF4_BYTES_PER_PARAMETER + split.frozen_unquantized * (
-        FP32 if quantized else w
-    )
+    # QLoRA: only the decoder linears are 4-bit. peft's k-bit preparation upcasts the rest to fp32,
+    # but DeepSpeed's bf16/fp16 engine casts every non-quantized parameter, adapters included, back
+    # to the compute dtype (with fp32 masters of the adapters in the optimizer), as for LoRA.
+    trainable_bytes = w
+    frozen_bytes = split.frozen_quantized * NF4_BYTES_PER_PARAMETER + split.frozen_unquantized * w
     weights = frozen_bytes + split.trainable * trainable_bytes
 
-    keeps_master = mixed and not quantized
+    keeps_master = mixed
     opt_per_param = optimizer_bytes_per_parameter(strategy.optimizer, keeps_master)
     optimizer = split.trainable * opt_per_param
     if strategy.optimizer == "adafactor":

@@ -1,0 +1,79 @@
+"""Compare the memory model with MemTracker records of real training steps (``memfit_trainer.memtrace``).
+
+A record is what ``trace_training_step`` returns: the settings, the shape, and per phase the bytes of
+each MemTracker category at that phase's peak. Model states are exact sizes (checked against the ZeRO
+paper and DeepSpeed elsewhere), so the comparison is of what the structure of the model decides: the
+peak of the forward and backward passes beyond weights, buffers and optimizer states (activations,
+loss buffers and the gradients alive with them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memfit.memory.activations import ActivationEstimate, ActivationSetup, estimate_activations
+from memfit.memory.estimate import forward_backward_moments, gradient_timeline
+from memfit.model_shape import ModelFamily, ModelShape
+
+SHAPE_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "tie_word_embeddings",
+    "head_dim",
+    "attention_bias",
+    "num_experts",
+    "experts_per_token",
+)
+
+
+def record_shape(record: dict[str, Any]) -> ModelShape:
+    fields = {name: record["shape"][name] for name in SHAPE_FIELDS}
+    return ModelShape(family=ModelFamily(record["shape"]["family"]), **fields)
+
+
+def _states(record: dict[str, Any]) -> int:
+    start = record["start"]
+    return start["PARAM"] + start["OPT"] + start["BUFFER"]
+
+
+def measured_beyond_states(record: dict[str, Any]) -> int:
+    """Peak of the forward and backward passes less weights, buffers and optimizer states: the
+    activations and the gradients alive with them."""
+    return max(record["phases"][phase]["peak"]["total"] for phase in ("forward", "backward")) - _states(record)
+
+
+def predicted_beyond_states(record: dict[str, Any]) -> int:
+    """The memory model's forward/backward moments for the traced plain-PyTorch step: gradients set to
+    None between steps, the trace's own gradient bytes (plain peft keeps adapters in fp32)."""
+    shape, settings = record_shape(record), record["settings"]
+    timeline = gradient_timeline(shape, settings["trainable"], settings["dtype"])
+    gradients = record["phases"]["backward"]["end"]["GRAD"]
+    return sum(forward_backward_moments(activation_estimate(record), gradients, False, timeline))
+
+
+def activation_estimate(record: dict[str, Any]) -> ActivationEstimate:
+    settings, shape = record["settings"], record_shape(record)
+    lora = settings["trainable"] == "lora"
+    targets = shape.resolve_lora_targets(tuple(settings["lora_targets"] or ())) if lora else frozenset()
+    setup = ActivationSetup(
+        method="lora" if lora else "full",
+        precision=settings["dtype"],
+        gradient_checkpointing=settings["gradient_checkpointing"],
+        micro_batch_size=settings["micro_batch"],
+        sequence_length=settings["seq_len"],
+        attention=settings["attention"],
+        lora_rank=settings["lora_rank"] or 0,
+        lora_targets=targets,
+        lora_dropout=bool(settings["lora_dropout"]),
+        adapter_bytes=4,  # traced with plain peft, which keeps adapters in fp32
+    )
+    return estimate_activations(shape, setup)
+
+
+def relative_error(record: dict[str, Any]) -> float:
+    """predicted / measured - 1 (positive: the model is conservative)."""
+    return predicted_beyond_states(record) / measured_beyond_states(record) - 1

@@ -1,0 +1,437 @@
+"""Measure the memory of real ``transformers`` training steps without allocating any of it.
+
+The analytic memory model of memfit needs calibration against what PyTorch really keeps alive: which
+tensors autograd saves per op, how many logits-sized buffers the loss holds, what a checkpointed layer
+costs in backward, when the optimizer's temporaries appear. This module runs the genuine Hugging Face
+model, peft adapters and ``torch.optim.AdamW`` under :class:`~torch._subclasses.fake_tensor.FakeTensorMode`
+(tensors carry shapes and dtypes, no storage), so a 7B step costs seconds on a laptop CPU, and counts
+bytes with PyTorch's own :class:`~torch.distributed._tools.mem_tracker.MemTracker`.
+
+Fake tensors live on the CPU device (autograd on a fake CUDA device needs a CUDA build of PyTorch). Where
+the CPU path differs from a GPU run, the trace says so rather than pretending:
+
+* SDPA runs ``_scaled_dot_product_flash_attention_for_cpu``, which saves what CUDA flash attention saves
+  (output plus fp32 log-sum-exp) but has no ``dq_accum`` scratch in backward;
+* dropout on CPU would keep a mask of the input's dtype; the trace routes it through ``native_dropout``,
+  the kernel CUDA uses, which keeps a bool mask (see :func:`_cuda_like_dropout`);
+* MemTracker rounds nothing on CPU (the CUDA caching allocator rounds blocks to 512 bytes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+from memfit.model_shape import ModelShape
+from memfit_trainer.hf_config import transformers_config
+
+Dtype = Literal["bf16", "fp32"]
+Attention = Literal["sdpa", "eager"]
+Trainable = Literal["full", "lora"]
+OptimizerImpl = Literal["foreach", "for-loop", "fused"]
+CausalMask = Literal["implicit", "explicit"]
+
+CATEGORIES: tuple[str, ...] = ("PARAM", "BUFFER", "GRAD", "ACT", "TEMP", "OPT", "OTH")
+"""MemTracker's categories by enum member name (``OTH`` holds externally tracked inputs)."""
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
+_STATE_CATEGORIES = ("PARAM", "BUFFER", "GRAD", "OPT")
+
+
+class _PhaseMemTracker(MemTracker):
+    """MemTracker with one peak per phase of a step, and gradients labelled GRAD from their allocation.
+
+    ``MemTracker`` keeps one peak per context, copied when the total peaks (a breakdown *at* the peak,
+    not per-category maxima), reset only on ``__enter__``; re-entering to restart it would drop the
+    gradient hooks. It also labels a parameter's fresh gradient TEMP until the gradient hook runs, so a
+    peak that coincides with, say, the LM head's weight gradient shows it as a temporary. This subclass
+    records the breakdown after every op instead, with the live TEMP storages, and relabels at the end
+    of a phase those that became gradients. It overrides two private methods of this private torch tool:
+    ``_update_snap`` (to know live TEMP storages) and ``_update_peak_stats`` (module-level peaks, unused
+    here, cost a loop over all modules per op).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live_temp: dict[int, Any] = {}
+        self._records: list[tuple[dict[str, int], tuple[Any, ...]]] = []
+
+    def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True) -> Any:
+        # MemTracker registers a gradient hook on every parameter, which raises for frozen ones (LoRA's
+        # base weights); a placeholder handle makes it skip them.
+        for param in module.parameters():
+            if not param.requires_grad:
+                self._param_to_grad_hook_handles.setdefault(param, (_NoHook(), _NoHook()))
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    def _update_snap(self, u_type: Any, winfo: Any, *args: Any, **kwargs: Any) -> None:
+        super()._update_snap(u_type, winfo, *args, **kwargs)
+        if winfo.reftype is _MemRefType.TEMP and u_type.name in ("ADD", "REF"):
+            self._live_temp[id(winfo)] = winfo
+        elif u_type.name in ("DEL", "REF"):
+            self._live_temp.pop(id(winfo), None)
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        self._records.append((_categories(self._curr_mem_snap), tuple(self._live_temp.values())))
+
+    def phase_summary(self) -> dict[str, dict[str, int]]:
+        """Breakdowns at the phase's peak, at its end, and at its peak of non-state memory; then restart."""
+        self._update_peak_stats(None)
+        moments = [_relabel_gradients(categories, temps) for categories, temps in self._records]
+        self._records.clear()
+        self._update_peak_stats(None)
+        return {
+            "peak": max(moments, key=lambda c: c["total"]),
+            "end": moments[-1],
+            "transient_peak": max(moments, key=_transient),
+        }
+
+
+class _NoHook:
+    """Stands for the gradient-hook handle a frozen parameter cannot have."""
+
+    def remove(self) -> None:
+        """Nothing was registered."""
+
+
+def _relabel_gradients(categories: dict[str, int], live_temp: tuple[Any, ...]) -> dict[str, int]:
+    """Move the bytes of TEMP storages that later became parameter gradients from TEMP to GRAD."""
+    fresh = sum(w.mem_consumed for w in live_temp if w.reftype is _MemRefType.GRAD)
+    return {**categories, "TEMP": categories["TEMP"] - fresh, "GRAD": categories["GRAD"] + fresh}
+
+
+def _categories(snapshot: dict[torch.device, dict[Any, int]]) -> dict[str, int]:
+    """Flatten a MemTracker snapshot (one device here) into ``{category name: bytes, "total": bytes}``."""
+    out = dict.fromkeys((*CATEGORIES, "total"), 0)
+    for dev_snap in snapshot.values():
+        for key, value in dev_snap.items():
+            out[key.name if isinstance(key, _MemRefType) else "total"] += value
+    return out
+
+
+def _transient(categories: dict[str, int]) -> int:
+    """Bytes that are not model state: activations, backward temporaries and untracked extras."""
+    return categories.get("total", 0) - sum(categories.get(c, 0) for c in _STATE_CATEGORIES)
+
+
+@contextlib.contextmanager
+def _real_run_mask_decisions(causal_mask: CausalMask) -> Iterator[None]:
+    """Make ``transformers`` choose the attention mask a real run of unpacked sequences would choose.
+
+    To detect packed sequences ``transformers`` reads the values of ``position_ids``; it cannot read fake
+    tensors, so it assumes packing and builds an explicit ``(b, 1, s, s)`` mask. That also disables SDPA's
+    ``is_causal`` path and native GQA (keys and values get repeated to all heads). Real unpadded batches
+    with ``arange`` positions are not packed, so ``implicit`` answers "not packed" as a real run would;
+    ``explicit`` keeps the mask, as for padded batches.
+    """
+    if causal_mask == "explicit":
+        yield
+        return
+    from transformers import masking_utils
+
+    original = masking_utils.find_packed_sequence_indices
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
+@contextlib.contextmanager
+def _cuda_like_dropout() -> Iterator[None]:
+    """Make training-mode dropout save what it saves on a GPU: a bool mask, not a mask of the input dtype.
+
+    ``aten::dropout`` takes the fused ``native_dropout`` kernel only for CUDA inputs; on CPU it multiplies
+    by a noise tensor of the input's dtype, which autograd saves (2-4 bytes per element instead of 1).
+    peft's ``lora_dropout`` (0.05 in memfit's API) runs once per adapted module, so this matters.
+    """
+    original = torch.nn.functional.dropout
+
+    def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+        if training and 0 < p < 1 and not inplace:
+            return torch.native_dropout(input, p, True)[0]
+        return original(input, p, training, inplace)
+
+    torch.nn.functional.dropout = dropout
+    try:
+        yield
+    finally:
+        torch.nn.functional.dropout = original
+
+
+@contextlib.contextmanager
+def _fake_run(causal_mask: CausalMask) -> Iterator[None]:
+    """Fake tensors on the CPU device, with the mask and dropout choices of a real GPU run."""
+    with FakeTensorMode(), _real_run_mask_decisions(causal_mask), _cuda_like_dropout():
+        yield
+
+
+def _build_model(
+    shape: ModelShape,
+    dtype: Dtype,
+    attention: Attention,
+    gradient_checkpointing: bool,
+    trainable: Trainable,
+    lora_rank: int,
+    lora_targets: tuple[str, ...],
+    lora_dropout: float,
+) -> torch.nn.Module:
+    """The family's causal LM in training mode on the meta device, optionally with LoRA (base frozen).
+
+    Built outside ``FakeTensorMode`` and given fake weights afterwards by :func:`_fake_weights`: modules
+    created under ``FakeTensorMode`` cannot be moved with ``.to()`` (the fake-tensor converter keeps a weak
+    reference to every parameter, which ``swap_tensors`` refuses), and peft moves its adapters to the base
+    layer's device and dtype.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = transformers_config(shape, use_cache=False)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=_TORCH_DTYPES[dtype])
+        if trainable == "lora":
+            from peft import LoraConfig, get_peft_model
+
+            lora = LoraConfig(
+                r=lora_rank,
+                lora_alpha=2 * lora_rank,
+                lora_dropout=lora_dropout,
+                target_modules=sorted(shape.resolve_lora_targets(lora_targets)),
+                task_type="CAUSAL_LM",
+            )
+            model = get_peft_model(model, lora)
+    if gradient_checkpointing:
+        # ``activation_checkpointing_enable`` is the name from transformers 5.x on; older ones only have this.
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def _fake_weights(model: torch.nn.Module) -> None:
+    """Replace meta parameters and buffers by fake CPU ones in place (call under ``FakeTensorMode``).
+
+    Tied weights stay tied: each distinct tensor is replaced once.
+    """
+    replaced: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in replaced:
+            empty = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            replaced[id(t)] = torch.nn.Parameter(empty, t.requires_grad) if isinstance(t, torch.nn.Parameter) else empty
+        return replaced[id(t)]
+
+    for module in model.modules():
+        for registry in (module._parameters, module._buffers):
+            for name, tensor in registry.items():
+                if tensor is not None:
+                    registry[name] = fake(tensor)
+
+
+def _optimizer(params: list[torch.nn.Parameter], impl: OptimizerImpl) -> torch.optim.Optimizer:
+    """AdamW as a GPU run gets it: ``foreach`` is PyTorch's default on CUDA (and allocates temporaries)."""
+    return torch.optim.AdamW(params, lr=1e-4, foreach=impl == "foreach", fused=True if impl == "fused" else None)
+
+
+def trace_training_step(
+    shape: ModelShape,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    dtype: Dtype = "bf16",
+    gradient_checkpointing: bool = False,
+    attention: Attention = "sdpa",
+    optimizer: Literal["adamw"] = "adamw",
+    optimizer_impl: OptimizerImpl = "foreach",
+    trainable: Trainable = "full",
+    lora_rank: int = 16,
+    lora_targets: tuple[str, ...] = ("all-linear",),
+    lora_dropout: float = 0.05,
+    causal_mask: CausalMask = "implicit",
+    steps: int = 2,
+) -> dict[str, Any]:
+    """Run ``steps`` training steps on fake tensors and measure the last one with MemTracker.
+
+    The model is built directly in ``dtype`` (pure bf16 or fp32 training; AdamW states share the
+    parameters' dtype), takes ``labels=input_ids`` so ``transformers`` computes the loss, and only the
+    loss outlives the forward call, as in ``Trainer.training_step``. Earlier steps run untracked so the
+    measured step starts in steady state: optimizer states exist, gradients were set to ``None``.
+
+    Returns the settings and, in bytes: ``peak_total`` with ``at_peak`` (per-category breakdown at that
+    moment), ``peak_phase``, ``activation_bytes`` (``peak_total`` minus parameters, buffers, gradients and
+    optimizer states at the peak), and for each phase (``forward`` includes the loss, ``backward``,
+    ``optimizer``) its peak breakdown, the breakdown when it ended, and ``transient_peak``: the breakdown
+    at the phase's maximum of non-state memory (activations + temporaries), which need not coincide with
+    the total's peak because gradients accumulate during backward.
+    """
+    if optimizer != "adamw":
+        raise ValueError(f"unsupported optimizer {optimizer!r}: only adamw is traced")
+    if steps < 1:
+        raise ValueError("steps must be at least 1")
+    import transformers
+
+    settings: dict[str, Any] = {
+        "micro_batch": micro_batch,
+        "seq_len": seq_len,
+        "dtype": dtype,
+        "gradient_checkpointing": gradient_checkpointing,
+        "attention": attention,
+        "optimizer": optimizer,
+        "optimizer_impl": optimizer_impl,
+        "trainable": trainable,
+        "lora_rank": lora_rank if trainable == "lora" else None,
+        "lora_targets": list(lora_targets) if trainable == "lora" else None,
+        "lora_dropout": lora_dropout if trainable == "lora" else None,
+        "causal_mask": causal_mask,
+        "steps": steps,
+    }
+    model = _build_model(
+        shape, dtype, attention, gradient_checkpointing, trainable, lora_rank, lora_targets, lora_dropout
+    )
+    with _fake_run(causal_mask):
+        _fake_weights(model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = _optimizer(params, optimizer_impl)
+        input_ids = torch.randint(0, shape.vocab_size, (micro_batch, seq_len))
+
+        def forward() -> torch.Tensor:
+            return model(input_ids=input_ids, labels=input_ids).loss
+
+        for _ in range(steps - 1):
+            forward().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        tracker = _PhaseMemTracker()
+        tracker.track_external(model, opt)
+        phases: dict[str, dict[str, dict[str, int]]] = {}
+        with tracker:
+            start = _categories(tracker.get_tracker_snapshot())
+            tracker.phase_summary()
+            loss = forward()
+            phases["forward"] = tracker.phase_summary()
+            loss.backward()
+            del loss
+            phases["backward"] = tracker.phase_summary()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            phases["optimizer"] = tracker.phase_summary()
+
+    peak_phase = max(phases, key=lambda name: phases[name]["peak"]["total"])
+    at_peak = phases[peak_phase]["peak"]
+    return {
+        "shape": shape_fields(shape),
+        "settings": settings,
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "trainable_parameters": sum(p.numel() for p in params),
+        "peak_total": at_peak["total"],
+        "peak_phase": peak_phase,
+        "at_peak": at_peak,
+        "activation_bytes": _transient(at_peak),
+        "transient_peak_bytes": max(_transient(p["transient_peak"]) for p in phases.values()),
+        "start": start,
+        "phases": phases,
+    }
+
+
+def shape_fields(shape: ModelShape) -> dict[str, Any]:
+    """The shape as plain JSON, plus the derived widths the formulas use."""
+    fields = {f.name: getattr(shape, f.name) for f in dataclasses.fields(shape)}
+    fields["family"] = shape.family.value
+    fields.update(q_size=shape.q_size, kv_size=shape.kv_size, parameter_count=shape.parameter_count)
+    return fields
+
+
+class _Provenance(TorchDispatchMode):
+    """Remembers which op, inside which module, produced each storage (to name what autograd saves)."""
+
+    def __init__(self, module_names: dict[torch.nn.Module, str]) -> None:
+        super().__init__()
+        self.producers: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.module_stack: list[str] = []
+        self._module_names = module_names
+
+    def push(self, module: torch.nn.Module, *_: Any) -> None:
+        self.module_stack.append(self._module_names.get(module, type(module).__name__))
+
+    def pop(self, *_: Any) -> None:
+        self.module_stack.pop()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        where = self.module_stack[-1] if self.module_stack else ""
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.producers.setdefault(t.untyped_storage(), (str(func.overloadpacket.__name__), where))
+        return out
+
+
+def saved_tensors(
+    shape: ModelShape,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    dtype: Dtype = "bf16",
+    attention: Attention = "sdpa",
+    trainable: Trainable = "full",
+    lora_rank: int = 16,
+    lora_targets: tuple[str, ...] = ("all-linear",),
+    lora_dropout: float = 0.05,
+    causal_mask: CausalMask = "implicit",
+) -> list[dict[str, Any]]:
+    """Every storage autograd saves during one forward (with loss), once each, named by its producer.
+
+    The rows (``module`` that saved it, producing ``op`` and the module it ran in, ``shape``, ``dtype``,
+    ``bytes``) are how the per-layer activation formula is derived: sum the rows of one decoder layer.
+    Parameters are left out, since they exist anyway.
+    """
+    model = _build_model(shape, dtype, attention, False, trainable, lora_rank, lora_targets, lora_dropout)
+    with _fake_run(causal_mask):
+        _fake_weights(model)
+        input_ids = torch.randint(0, shape.vocab_size, (micro_batch, seq_len))
+        names = {module: name for name, module in model.named_modules()}
+        params = WeakIdKeyDictionary({p.untyped_storage(): True for p in model.parameters()})
+        provenance = _Provenance(names)
+        seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        rows: list[dict[str, Any]] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage in params or storage in seen:
+                return t
+            seen[storage] = True
+            op, produced_in = provenance.producers.get(storage, ("external", ""))
+            rows.append(
+                {
+                    "module": provenance.module_stack[-1] if provenance.module_stack else "",
+                    "op": op,
+                    "produced_in": produced_in,
+                    "shape": list(t.shape),
+                    "dtype": str(t.dtype).removeprefix("torch."),
+                    "bytes": storage.nbytes(),
+                }
+            )
+            return t
+
+        pre = register_module_forward_pre_hook(provenance.push)
+        post = register_module_forward_hook(provenance.pop)
+        try:
+            with provenance, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                model(input_ids=input_ids, labels=input_ids)
+        finally:
+            pre.remove()
+            post.remove()
+    return rows
