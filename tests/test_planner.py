@@ -25,7 +25,22 @@ def test_7b_full_on_8_a100_80gb_shards_states_over_all_gpus() -> None:
     assert chosen.strategy.method == "full" and chosen.strategy.gpus == 8
     assert chosen.strategy.zero_stage >= 1  # 16 bytes x 6.7B parameters cannot sit on one GPU unsharded
     assert chosen.memory.per_gpu.total <= 0.9 * 80 * GIB
-    assert any(r.strategy.zero_stage == 0 for r in result.rejected)
+    unsharded = plan_job(job("llama-2-7b", "full", strategy={"zeroStage": 0}), [A100_NODE])
+    assert unsharded.chosen is None
+    assert unsharded.rejected[0].reason.startswith("GPU memory: needs 1")  # over 100 GiB
+
+
+def test_duplicate_options_are_not_enumerated() -> None:
+    """ZeRO-0 only on one GPU (with several, ZeRO-1 holds less for the same traffic); ZeRO-1/3 on one
+    GPU only when they offload (nothing is partitioned)."""
+    result = plan_job(job("qwen2.5-0.5b", "full", batch=8), [A100_NODE])
+    for candidate in result.candidates:
+        s = candidate.strategy
+        if s.gpus > 1:
+            assert s.zero_stage != 0
+        else:
+            assert s.zero_stage != 2
+            assert s.zero_stage != 1 or s.offload_optimizer != "none"
 
 
 def test_7b_on_one_24gb_card_with_a_small_host_trains_adapters() -> None:

@@ -113,6 +113,11 @@ class StaticMemory:
     zero_stage: int
     gradients_timeline: GradientTimeline
 
+    @property
+    def floor(self) -> int:
+        """GPU bytes before any activation: no micro-batch fits when this does not."""
+        return self.states.parameters + self.states.optimizer_states + self.communication_buffers + self.runtime
+
 
 def static_memory(shape: ModelShape, strategy: Strategy, lora: LoraSettings) -> StaticMemory:
     states = model_states(shape, strategy, lora.rank, lora.targets)

@@ -40,8 +40,20 @@ class _Evaluated:
     memory: MemoryEstimate
     capacity: PoolCapacity
     trainable: int
-    miss_ratio: float = 0.0
-    reason: str | None = None
+    limit: int
+    miss_ratio: float
+    excluded: bool = False
+
+    @property
+    def fits(self) -> bool:
+        return self.miss_ratio <= 1 and not self.excluded
+
+    @property
+    def reason(self) -> str | None:
+        """Why it does not fit (None when it does)."""
+        if self.excluded:
+            return "excluded: it ran out of memory before"
+        return None if self.fits else _shortfall_reason(self.memory, self.limit, self.capacity)
 
     @property
     def strategy(self) -> Strategy:
@@ -152,14 +164,20 @@ def _precisions(spec: FineTuneJobSpec, capacity: PoolCapacity) -> list[str]:
     return [pinned.value]
 
 
-def _zero_options(spec: FineTuneJobSpec, method: str, capacity: PoolCapacity) -> Iterator[tuple[int, str, str]]:
-    """(stage, optimizer offload, parameter offload) combinations DeepSpeed supports for ``method``."""
+def _zero_options(
+    spec: FineTuneJobSpec, method: str, capacity: PoolCapacity, gpus: int
+) -> Iterator[tuple[int, str, str]]:
+    """(stage, optimizer offload, parameter offload) combinations DeepSpeed supports for ``method``,
+    without the ones that duplicate another: with several GPUs ZeRO-1 communicates as much as ZeRO-0
+    and holds less; on one GPU nothing is partitioned, so the stages differ only by what they offload."""
     pinned = spec.strategy
     stages = [pinned.zero_stage] if pinned.zero_stage is not None else [0, 1, 2, 3]
     devices = ["none", "cpu"] + (["nvme"] if capacity.nvme_bytes_per_node else [])
     eight_bit = spec.training.optimizer in (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT)
     for stage in stages:
         if method == "qlora" and stage == 3:
+            continue
+        if pinned.zero_stage is None and (stage == 0 if gpus > 1 else stage == 2):
             continue
         for opt in _pinned_or(pinned.offload_optimizer, devices):
             # Offload needs ZeRO; adapters' states are too small to be worth moving; 8-bit states stay on GPU.
@@ -168,7 +186,13 @@ def _zero_options(spec: FineTuneJobSpec, method: str, capacity: PoolCapacity) ->
             for params in _pinned_or(pinned.offload_parameters, devices if stage == 3 else ["none"]):
                 if method == "qlora" and params != "none":
                     continue
-                yield stage, opt, params
+                single_gpu_duplicate = (
+                    gpus == 1
+                    and pinned.zero_stage is None
+                    and ((stage == 1 and opt == "none") or (stage == 3 and params == "none"))
+                )
+                if not single_gpu_duplicate:
+                    yield stage, opt, params
 
 
 def _pinned_or(pinned: Offload | None, options: list[str]) -> list[str]:
@@ -195,21 +219,37 @@ def _search_pool(search: _Search, capacity: PoolCapacity, method: str) -> None:
         if not micro_batches:
             continue
         for precision in _precisions(spec, capacity):
-            for stage, opt, params in _zero_options(spec, method, capacity):
+            fitted: dict[tuple[int, str, str, bool], int] = {}  # knobs -> largest micro-batch that fits
+            for stage, opt, params in _zero_options(spec, method, capacity, nodes * per_node):
                 for ckpt in checkpointing:
+                    if _dominated(fitted, stage, opt, params, ckpt, micro_batches[0]):
+                        continue
                     template = Strategy(
                         method=method, pool=capacity.name, nodes=nodes, gpus_per_node=per_node,
                         zero_stage=stage, offload_optimizer=opt, offload_parameters=params,
                         gradient_checkpointing=ckpt, micro_batch_size=1, gradient_accumulation_steps=1,
                         precision=precision, optimizer=spec.training.optimizer.value, attention=attention,
                     )  # fmt: skip
-                    _largest_fitting_micro_batch(search, capacity, limit, template, micro_batches)
+                    micro = _largest_fitting_micro_batch(search, capacity, limit, template, micro_batches)
+                    if micro is not None:
+                        fitted[(stage, opt, params, ckpt)] = micro
+
+
+def _dominated(fitted: dict[tuple[int, str, str, bool], int], stage: int, opt: str, params: str, ckpt: bool,
+               largest_micro: int) -> bool:  # fmt: skip
+    """Options that can only be slower than one that already fits: NVMe offload where CPU offload fits
+    (same GPU memory, slower traffic), and recomputation where the largest micro-batch fits without."""
+    if opt == "nvme" and (stage, "cpu", params, ckpt) in fitted:
+        return True
+    if params == "nvme" and (stage, opt, "cpu", ckpt) in fitted:
+        return True
+    return ckpt and fitted.get((stage, opt, params, False)) == largest_micro
 
 
 def _largest_fitting_micro_batch(
     search: _Search, capacity: PoolCapacity, limit: int, template: Strategy, micro_batches: list[int]
-) -> None:
-    """Find the largest micro-batch that fits; record it, or the nearest miss of its group."""
+) -> int | None:
+    """Find the largest micro-batch that fits and record it (returning it), or the nearest miss."""
     static = search.static_memory(template)
     trainable = static.trainable
     per_gpu_batch = micro_batches[0] * template.gradient_accumulation_steps
@@ -217,55 +257,73 @@ def _largest_fitting_micro_batch(
     def attempt(micro: int) -> _Evaluated:
         accumulation = per_gpu_batch // micro
         memory = peak_memory(static, search.activation_estimate(template, micro), accumulation)
-        ratio, reason = _shortfall(memory, limit, capacity)
-        evaluated = _Evaluated(template, micro, accumulation, memory, capacity, trainable, ratio, reason)
+        ratio = _shortfall_ratio(memory, limit, capacity)
+        evaluated = _Evaluated(template, micro, accumulation, memory, capacity, trainable, limit, ratio)
         if search.exclude and evaluated.strategy.summary() in search.exclude:
-            return replace(evaluated, miss_ratio=float("inf"), reason="excluded: it ran out of memory before")
+            return replace(evaluated, miss_ratio=float("inf"), excluded=True)
         return evaluated
 
+    key = (capacity.name, template.nodes, template.gpus_per_node, template.method)
+    known = search.nearest_misses.get(key)
+    floor = _shortfall_ratio_of(static.floor, static.cpu_per_node, static.nvme_per_node, limit, capacity)
+    if floor > 1:  # the model states alone do not fit: only the nearest miss of the group is kept
+        if known is None or floor < known.miss_ratio:
+            smallest = attempt(micro_batches[-1])
+            if known is None or smallest.miss_ratio < known.miss_ratio:
+                search.nearest_misses[key] = smallest
+        return None
+
     # Memory grows with the micro-batch, except that accumulating (more than one micro-batch per step)
-    # keeps gradients alive: so try the no-accumulation micro-batch first, then bisect the rest.
-    best: _Evaluated | None = attempt(micro_batches[0])
-    smallest = best
-    if best.reason is not None:
-        best = None
-        low, high = 1, len(micro_batches) - 1
+    # keeps gradients alive. So: the no-accumulation micro-batch first, then the smallest (when it
+    # does not fit, no accumulating one does), then bisect between them.
+    best: _Evaluated | None = None
+    largest = attempt(micro_batches[0])
+    if largest.fits:
+        return _record_fit(search, largest)
+    smallest = attempt(micro_batches[-1]) if len(micro_batches) > 1 else largest
+    if smallest.fits:
+        best = smallest
+        low, high = 1, len(micro_batches) - 2
         while low <= high:
             middle = (low + high) // 2
             result = attempt(micro_batches[middle])
-            if result.reason is None:
+            if result.fits:
                 best, high = result, middle - 1
             else:
                 low = middle + 1
-                if middle == len(micro_batches) - 1:
-                    smallest = result
     if best is not None:
-        throughput = estimate_throughput(search.shape, best.strategy, capacity, search.sequence_length, trainable)
-        search.fits.append((best, throughput))
-        return
-    key = (capacity.name, template.nodes, template.gpus_per_node, template.method)
-    known = search.nearest_misses.get(key)
+        return _record_fit(search, best)
     if known is None or smallest.miss_ratio < known.miss_ratio:
         search.nearest_misses[key] = smallest
+    return None
 
 
-def _shortfall(memory: MemoryEstimate, limit: int, capacity: PoolCapacity) -> tuple[float, str | None]:
-    """How far over its limits the plan is (the worst ratio), and why, or None when it fits."""
-    gpu, cpu, nvme = memory.total, memory.cpu_per_node, memory.nvme_per_node
+def _record_fit(search: _Search, fit: _Evaluated) -> int:
+    throughput = estimate_throughput(search.shape, fit.strategy, fit.capacity, search.sequence_length, fit.trainable)
+    search.fits.append((fit, throughput))
+    return fit.micro_batch_size
+
+
+def _shortfall_ratio(memory: MemoryEstimate, limit: int, capacity: PoolCapacity) -> float:
+    """How far over its limits (GPU, CPU, NVMe) the plan is: the worst ratio; at most 1 when it fits."""
+    return _shortfall_ratio_of(memory.total, memory.cpu_per_node, memory.nvme_per_node, limit, capacity)
+
+
+def _shortfall_ratio_of(gpu: int, cpu: int, nvme: int, limit: int, capacity: PoolCapacity) -> float:
     nvme_capacity = capacity.nvme_bytes_per_node
-    gpu_ratio = gpu / limit
-    cpu_ratio = cpu / capacity.cpu_memory_bytes_per_node
     nvme_ratio = nvme / nvme_capacity if nvme_capacity else (float("inf") if nvme else 0.0)
-    worst = max(gpu_ratio, cpu_ratio, nvme_ratio)
-    if worst <= 1:
-        return worst, None
-    if worst == gpu_ratio:
-        return worst, (f"GPU memory: needs {gpu / GIB:.1f} GiB per GPU, {limit / GIB:.1f} GiB usable "
-                       f"({capacity.gpu_memory_bytes / GIB:.1f} GiB less headroom)")  # fmt: skip
-    if worst == cpu_ratio:
-        return worst, (f"CPU memory: needs {cpu / GIB:.1f} GiB per node, the pool has "
-                       f"{capacity.cpu_memory_bytes_per_node / GIB:.1f} GiB")  # fmt: skip
-    return worst, f"NVMe: needs {nvme / GIB:.1f} GiB per node, the pool has {nvme_capacity / GIB:.1f} GiB"
+    return max(gpu / limit, cpu / capacity.cpu_memory_bytes_per_node, nvme_ratio)
+
+
+def _shortfall_reason(memory: MemoryEstimate, limit: int, capacity: PoolCapacity) -> str:
+    gpu, cpu, nvme = memory.total, memory.cpu_per_node, memory.nvme_per_node
+    worst = _shortfall_ratio(memory, limit, capacity)
+    if worst == gpu / limit:
+        return (f"GPU memory: needs {gpu / GIB:.1f} GiB per GPU, {limit / GIB:.1f} GiB usable "
+                f"({capacity.gpu_memory_bytes / GIB:.1f} GiB less headroom)")  # fmt: skip
+    if worst == cpu / capacity.cpu_memory_bytes_per_node:
+        return f"CPU memory: needs {cpu / GIB:.1f} GiB per node, the pool has {capacity.cpu_memory_bytes_per_node / GIB:.1f} GiB"
+    return f"NVMe: needs {nvme / GIB:.1f} GiB per node, the pool has {capacity.nvme_bytes_per_node / GIB:.1f} GiB"
 
 
 def _candidate_fields(search: _Search, evaluated: _Evaluated, throughput: PlanThroughput) -> dict:
@@ -275,7 +333,7 @@ def _candidate_fields(search: _Search, evaluated: _Evaluated, throughput: PlanTh
         "trainable_parameter_count": evaluated.trainable,
         "memory": evaluated.memory.to_api(),
         "gpu_memory_bytes": evaluated.capacity.gpu_memory_bytes,
-        "fits": evaluated.reason is None,
+        "fits": evaluated.fits,
         "throughput": throughput,
     }
 
