@@ -32,3 +32,4 @@ lint: setup
 
 bench: setup
 	$(PY) bench/planner_speed.py
+	$(PY) bench/estimate_vs_trace.py | tail -n 8

@@ -145,7 +145,10 @@ class PlanResult(ApiModel):
     chosen: PlanCandidate | None
     """The fastest candidate that fits, or null when nothing fits."""
     candidates: list[PlanCandidate]
-    """Candidates that fit, fastest first."""
+    """Candidates that fit, fastest first (the first 50; options another candidate dominates outright,
+    such as recomputation where the largest micro-batch fits without it, are not evaluated)."""
+    feasible_count: int = 0
+    """How many candidates fit in all."""
     rejected: list[RejectedCandidate]
     """Candidates that do not fit, nearest miss first."""
     planning_seconds: float

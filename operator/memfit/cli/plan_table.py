@@ -100,8 +100,10 @@ def print_plan_table(job: FineTuneJob, result: PlanResult, console: Console | No
                            f"{candidate.throughput.tokens_per_second:,.0f}", why_lost(candidate, chosen))  # fmt: skip
         console.print(others)
     _print_rejected(result, console)
-    console.print(f"{len(result.candidates)} feasible candidates shown, {len(result.rejected)} rejected; planned in "
-                  f"{result.planning_seconds * 1000:.1f} ms")  # fmt: skip
+    console.print(
+        f"{result.feasible_count} candidates fit, {len(result.rejected)} nearest misses; "
+        f"planned in {result.planning_seconds * 1000:.1f} ms"
+    )
 
 
 def _print_rejected(result: PlanResult, console: Console, limit: int = 3) -> None:

@@ -9,25 +9,14 @@ loss buffers and the gradients alive with them).
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 from memfit.memory.activations import ActivationEstimate, ActivationSetup, estimate_activations
 from memfit.memory.estimate import forward_backward_moments, gradient_timeline
 from memfit.model_shape import ModelFamily, ModelShape
 
-SHAPE_FIELDS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "vocab_size",
-    "tie_word_embeddings",
-    "head_dim",
-    "attention_bias",
-    "num_experts",
-    "experts_per_token",
-)
+SHAPE_FIELDS = tuple(f.name for f in fields(ModelShape) if f.name != "family")
 
 
 def record_shape(record: dict[str, Any]) -> ModelShape:

@@ -117,6 +117,7 @@ def plan_job(spec: FineTuneJobSpec, pools: Sequence[GPUPool], exclude: Collectio
     return PlanResult(
         chosen=chosen,
         candidates=candidates,
+        feasible_count=len(ranked),
         rejected=rejected,
         planning_seconds=round(time.perf_counter() - started, 6),
         advice=advice,
@@ -322,7 +323,8 @@ def _shortfall_reason(memory: MemoryEstimate, limit: int, capacity: PoolCapacity
         return (f"GPU memory: needs {gpu / GIB:.1f} GiB per GPU, {limit / GIB:.1f} GiB usable "
                 f"({capacity.gpu_memory_bytes / GIB:.1f} GiB less headroom)")  # fmt: skip
     if worst == cpu / capacity.cpu_memory_bytes_per_node:
-        return f"CPU memory: needs {cpu / GIB:.1f} GiB per node, the pool has {capacity.cpu_memory_bytes_per_node / GIB:.1f} GiB"
+        has = capacity.cpu_memory_bytes_per_node / GIB
+        return f"CPU memory: needs {cpu / GIB:.1f} GiB per node, the pool has {has:.1f} GiB"
     return f"NVMe: needs {nvme / GIB:.1f} GiB per node, the pool has {capacity.nvme_bytes_per_node / GIB:.1f} GiB"
 
 
