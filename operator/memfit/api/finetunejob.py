@@ -151,6 +151,9 @@ class ModelSpec(ApiModel):
     """Where the weights come from. Empty: the Hub, anonymously."""
     architecture: Architecture
     """The model's shape, which decides its memory needs."""
+    random_init: bool = False
+    """Build the architecture with random weights instead of loading any (smoke tests of a cluster or
+    a pipeline; nothing is downloaded)."""
 
 
 class DatasetSpec(ApiModel):
