@@ -17,6 +17,15 @@ def _plan(args: argparse.Namespace) -> int:
     return run_plan(args.job, args.inventory, args.output, args.emit_ds_config, args.job_name)
 
 
+def _run(args: argparse.Namespace) -> int:
+    if not args.local:
+        print("memfit run: only --local is supported: on a cluster, `kubectl apply -f` the job", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    from memfit.cli.run_command import run_local
+
+    return run_local(args.job, args.nproc, args.mount, args.workdir, args.dry_run)
+
+
 def _crd(args: argparse.Namespace) -> int:
     from memfit.api.crd import crd_documents_yaml
 
@@ -49,6 +58,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--job", dest="job_name", metavar="NAME", help="which FineTuneJob, if the file holds several")
     plan.set_defaults(handler=_plan)
+
+    run = commands.add_parser("run", help="plan for this machine and train here (--local)")
+    run.add_argument("job", type=Path, help="YAML file with one FineTuneJob")
+    run.add_argument("--local", action="store_true", help="run on this machine (its GPUs, or CPU processes)")
+    run.add_argument("--nproc", type=int, metavar="N", help="ranks (default: every GPU, or 2 CPU processes)")
+    run.add_argument(
+        "--mount",
+        action="append",
+        default=[],
+        metavar="CLAIM=DIR",
+        help="local directory standing in for a PersistentVolumeClaim (default: DIR named CLAIM beside the job)",
+    )
+    run.add_argument("--workdir", type=Path, help="where the rendered configs go (default: the output dir/.memfit)")
+    run.add_argument("--dry-run", action="store_true", help="plan and render the configs, do not train")
+    run.set_defaults(handler=_run)
 
     crd = commands.add_parser("crd", help="print the CustomResourceDefinitions generated from the API models")
     crd.set_defaults(handler=_crd)

@@ -37,7 +37,7 @@ POD_MOUNTS = Mounts(model="/mnt/model", data="/mnt/data", output="/mnt/output")
 """The trainer pods' mount points (the operator's pod template mounts the PVCs there)."""
 
 
-def _inside(root: str, path: str | None) -> str:
+def inside(root: str, path: str | None) -> str:
     return str(PurePosixPath(root) / (path or "").lstrip("/"))
 
 
@@ -53,7 +53,7 @@ def render_trainer_config(
     shape = spec.model.architecture.shape()
     source = spec.model.source
     if source is not None and source.pvc is not None and mounts.model is not None:
-        name_or_path = _inside(mounts.model, source.path)
+        name_or_path = inside(mounts.model, source.path)
     else:
         name_or_path = spec.model.name
     training = spec.training
@@ -69,7 +69,7 @@ def render_trainer_config(
         job=f"{job.metadata.namespace or 'default'}/{job.metadata.name}",
         model=ModelConfig(name_or_path=name_or_path, random_init=spec.model.random_init, architecture=architecture),
         data=DataConfig(
-            path=_inside(mounts.data, spec.dataset.source.path),
+            path=inside(mounts.data, spec.dataset.source.path),
             format=spec.dataset.format.value,
             text_field=spec.dataset.text_field,
             messages_field=spec.dataset.messages_field,
@@ -95,7 +95,7 @@ def render_trainer_config(
             checkpoint_every_steps=training.checkpoint_every_steps,
             lora=LoraConfig.model_validate(spec.lora.model_dump()),
         ),
-        output_dir=_inside(mounts.output, spec.output.path),
+        output_dir=inside(mounts.output, spec.output.path),
         deepspeed=deepspeed_config(spec, strategy),
         prediction=PredictionConfig(
             strategy=strategy.summary(),
