@@ -7,7 +7,12 @@ PY := $(VENV)/bin/python
 # would pull a multi-GB CUDA build. DeepSpeed builds its sdist against that torch (no build isolation).
 TORCH ?= torch==2.13.0
 
-.PHONY: setup test demo crds lint bench
+# Debian's promtool checks the metrics the trainer exports (tests/trainer/test_metrics.py).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# DeepSpeed compiles its CPU ops on first use (minutes): keep them across runs.
+export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/memfit/torch_extensions
+
+.PHONY: setup tools test demo crds lint bench
 
 setup: $(VENV)/.installed
 
@@ -18,7 +23,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --no-build-isolation -e '.[operator,trainer,dev]'
 	touch $@
 
-test: setup
+tools:
+	@command -v promtool >/dev/null || { $(SUDO) apt-get update -qq && \
+		$(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+
+test: setup tools
 	OMP_NUM_THREADS=1 $(PY) -m pytest
 
 demo: setup

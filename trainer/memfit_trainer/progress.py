@@ -1,0 +1,81 @@
+"""The progress contract between the trainer and the operator.
+
+Rank 0 rewrites ``metrics.progressFile`` after every optimizer step and every checkpoint. The file is
+replaced atomically (a temporary file in the same directory, then ``os.replace``), so a reader sees
+either the previous complete document or the new one, never a partial one. It is not fsynced: after a
+node crash it may be a step or two stale, which is all a progress report needs. The operator reads it
+from the pod (``read_progress`` / ``parse_progress``) or scrapes the same numbers from rank 0's
+``/metrics`` (``memfit_train_step``, ``memfit_train_total_steps``, ``memfit_train_progress_ratio``,
+``memfit_train_eta_seconds``).
+
+One JSON object, camelCase keys, every key always present (``null`` where unknown)::
+
+    {
+      "step": 120,                     # optimizer steps completed
+      "totalSteps": 1000,              # null when the run's length is unknown (e.g. streaming data)
+      "percent": 12.0,                 # 100 * step / totalSteps, null without totalSteps
+      "tokensPerSecond": 5321.7,       # whole job, estimated as rank 0's recent rate x world size
+      "etaSeconds": 3270.4,            # remaining steps (and checkpoints) at the recent pace; null without totalSteps
+      "eta": "2025-01-01T13:00:00Z",   # RFC 3339, UTC: updated + etaSeconds; null without totalSteps
+      "lastCheckpointStep": 100,       # last checkpoint this process saved (null until its first, even on resume)
+      "loss": 1.83,                    # training loss of the last step, null if it was NaN or infinite
+      "updated": "2025-01-01T12:05:30Z"  # RFC 3339, UTC: when rank 0 wrote this
+    }
+
+It imports only pydantic, the standard library and memfit's core, so the operator can use it without torch.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from pydantic import AwareDatetime, Field, NonNegativeFloat, NonNegativeInt
+
+from memfit.api.base import ApiModel
+
+
+class Progress(ApiModel):
+    """Where a training run is: rank 0's view after its last step."""
+
+    step: NonNegativeInt
+    total_steps: NonNegativeInt | None
+    percent: float | None = Field(ge=0)
+    tokens_per_second: NonNegativeFloat
+    eta_seconds: NonNegativeFloat | None
+    eta: AwareDatetime | None
+    last_checkpoint_step: NonNegativeInt | None
+    loss: float | None
+    updated: AwareDatetime
+
+    def to_json(self) -> str:
+        """The document as written to the progress file (all keys, ``null`` for unknowns)."""
+        return self.model_dump_json(by_alias=True, indent=2) + "\n"
+
+
+def write_progress(path: str | Path, progress: Progress) -> None:
+    """Replace ``path`` with ``progress`` in one rename, so readers never see a half-written file."""
+    path = Path(path)
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(progress.to_json())
+        os.replace(temp, path)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
+
+
+def parse_progress(text: str) -> Progress:
+    """Validate a progress document (e.g. read from the pod with ``cat``)."""
+    return Progress.model_validate_json(text)
+
+
+def read_progress(path: str | Path) -> Progress | None:
+    """The last progress rank 0 wrote, or None before its first step (no file yet)."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return None
+    return parse_progress(text)
