@@ -145,3 +145,13 @@ def test_process_exit_code_is_86(tmp_path: Path) -> None:
     assert result.returncode == EXIT_CODE_OOM, result.stderr
     assert json.loads(log.read_text())["step"] == 5
     assert "OutOfMemoryError" in result.stderr  # the original traceback is still printed
+
+
+def test_an_inner_guard_exiting_is_not_a_second_oom() -> None:
+    try:
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        except torch.OutOfMemoryError as error:
+            raise SystemExit(86) from error
+    except SystemExit as exiting:
+        assert not is_oom_error(exiting)

@@ -38,11 +38,12 @@ _OOM_PHRASES = ("cuda out of memory", "out of memory")
 def is_oom_error(exc: BaseException) -> bool:
     """Whether ``exc`` (or an exception it was raised from) is a device out-of-memory error.
 
-    Libraries wrap errors (DeepSpeed, ``accelerate``), so the cause/context chain is searched too.
+    Libraries wrap errors (DeepSpeed, ``accelerate``), so the cause/context chain is searched too, but
+    not past a ``SystemExit``: that is an inner guard that already reported the OOM and is exiting.
     """
     seen: set[int] = set()
     current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
+    while current is not None and id(current) not in seen and not isinstance(current, SystemExit):
         seen.add(id(current))
         if isinstance(current, torch.OutOfMemoryError):
             return True

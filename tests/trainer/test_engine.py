@@ -1,0 +1,58 @@
+"""The run's length, its learning-rate schedule and the DeepSpeed flags a client optimizer needs."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+
+from memfit_trainer.config import ConfigError
+from memfit_trainer.console import ConsoleProgress, format_duration
+from memfit_trainer.engine import engine_config, total_optimizer_steps, warmup_cosine
+from tests.trainer.runs import make_config
+
+
+def test_max_steps_wins_over_epochs(tmp_path: Path) -> None:
+    training = make_config(tmp_path, max_steps=7).training.model_copy(update={"epochs": 3})
+    assert total_optimizer_steps(training, 100) == 7
+
+
+def test_epochs_count_full_optimizer_steps(tmp_path: Path) -> None:
+    training = make_config(tmp_path).training.model_copy(
+        update={"max_steps": None, "epochs": 3, "gradient_accumulation_steps": 4}
+    )
+    assert total_optimizer_steps(training, 10) == 7  # 30 micro-batches make 7 steps of 4
+    with pytest.raises(ConfigError, match="maxSteps"):
+        total_optimizer_steps(training, None)
+
+
+def test_schedule_warms_up_linearly_then_decays_to_zero() -> None:
+    factor = warmup_cosine(total_steps=100, warmup_ratio=0.1)
+    warmup = [factor(s) for s in range(10)]
+    assert warmup == sorted(warmup) and 0 < warmup[0] < warmup[-1] < 1
+    assert factor(10) == pytest.approx(1.0)
+    assert factor(55) == pytest.approx(0.5)
+    assert factor(100) == pytest.approx(0.0)
+
+
+def test_client_optimizer_flags(tmp_path: Path) -> None:
+    config = make_config(tmp_path, optimizer="adamw8bit", offload=True)
+    flags = engine_config(config, client=True)
+    assert flags["zero_allow_untested_optimizer"] is True
+    assert flags["zero_force_ds_cpu_optimizer"] is False
+    assert "zero_force_ds_cpu_optimizer" not in config.deepspeed  # the config itself is not modified
+    assert "zero_force_ds_cpu_optimizer" not in engine_config(make_config(tmp_path, offload=True), client=False)
+
+
+def test_console_progress_is_plain_throttled_and_rank0_only() -> None:
+    out = io.StringIO()
+    progress = ConsoleProgress(10, enabled=True, interval=3600, stream=out)
+    for step in range(1, 11):
+        progress.step(step, loss=2.5, learning_rate=1e-4, tokens=100)
+    lines = out.getvalue().splitlines()
+    assert [line.split()[1] for line in lines] == ["1/10", "10/10"]
+    assert "\r" not in out.getvalue() and "eta 0:00:00" in lines[-1]
+    quiet = io.StringIO()
+    ConsoleProgress(10, enabled=False, stream=quiet).step(1, loss=1.0, learning_rate=1.0, tokens=1)
+    assert quiet.getvalue() == "" and format_duration(3725) == "1:02:05"

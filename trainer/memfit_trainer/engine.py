@@ -1,0 +1,102 @@
+"""The DeepSpeed engine: optimizer, learning-rate schedule and the run's length in optimizer steps.
+
+AdamW and Lion are built by DeepSpeed from ``config.deepspeed`` (fused kernels on GPU, DeepSpeedCPUAdam under
+optimizer offload). The others are built here and handed over as client optimizers, which DeepSpeed only
+accepts with ``zero_allow_untested_optimizer`` and, under optimizer offload, ``zero_force_ds_cpu_optimizer:
+false`` (otherwise it refuses anything but its own CPU Adam). The schedule is linear warmup over
+``warmup_ratio`` of the steps, then cosine decay to zero; DeepSpeed steps it at each optimizer step and
+saves it in its checkpoints.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from memfit_trainer.config import ConfigError, TrainerConfig, TrainingConfig
+
+DEEPSPEED_BUILT = frozenset({"adamw", "lion"})
+
+
+def total_optimizer_steps(training: TrainingConfig, micro_batches_per_epoch: int | None) -> int:
+    """``max_steps``, or the optimizer steps that ``epochs`` passes over this rank's micro-batches make."""
+    if training.max_steps is not None:
+        return training.max_steps
+    if micro_batches_per_epoch is None:
+        raise ConfigError("streaming data has no known epoch length: set training.maxSteps")
+    assert training.epochs is not None  # TrainingConfig requires epochs or maxSteps
+    steps = training.epochs * micro_batches_per_epoch // training.gradient_accumulation_steps
+    if steps < 1:
+        raise ConfigError(
+            f"{training.epochs} epoch(s) of {micro_batches_per_epoch} micro-batch(es) per rank make no full "
+            f"optimizer step of {training.gradient_accumulation_steps} accumulated micro-batches"
+        )
+    return steps
+
+
+def warmup_cosine(total_steps: int, warmup_ratio: float) -> Callable[[int], float]:
+    """LR multiplier after ``step`` optimizer steps: linear warmup to 1, then cosine decay to 0."""
+    warmup = math.ceil(warmup_ratio * total_steps)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def client_optimizer(training: TrainingConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizers DeepSpeed does not build itself."""
+    lr, weight_decay = training.learning_rate, training.weight_decay
+    if training.optimizer in ("adamw8bit", "paged_adamw8bit"):
+        import bitsandbytes as bnb
+
+        cls = bnb.optim.AdamW8bit if training.optimizer == "adamw8bit" else bnb.optim.PagedAdamW8bit
+        return cls(params, lr=lr, weight_decay=weight_decay)
+    if training.optimizer == "adafactor":
+        from transformers.optimization import Adafactor
+
+        # A fixed external schedule (ours), not Adafactor's own relative step sizes.
+        return Adafactor(
+            params, lr=lr, weight_decay=weight_decay, scale_parameter=False, relative_step=False, warmup_init=False
+        )
+    if training.optimizer == "lion":
+        import bitsandbytes as bnb
+
+        return bnb.optim.Lion(params, lr=lr, weight_decay=weight_decay)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+
+
+def engine_config(config: TrainerConfig, client: bool) -> dict[str, Any]:
+    """``config.deepspeed`` plus what this run needs: the flags a client optimizer requires, clipping."""
+    ds = copy.deepcopy(config.deepspeed)
+    ds.setdefault("gradient_clipping", config.training.max_grad_norm)
+    if client:
+        ds["zero_allow_untested_optimizer"] = True
+        if ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") != "none":
+            ds["zero_force_ds_cpu_optimizer"] = False
+    return ds
+
+
+def build_engine(config: TrainerConfig, model: torch.nn.Module, total_steps: int) -> tuple[Any, Any]:
+    """``(engine, lr_scheduler)`` for ``model``; the scheduler is stepped and checkpointed by the engine."""
+    import deepspeed
+    from torch.optim.lr_scheduler import LambdaLR
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = None if "optimizer" in config.deepspeed else client_optimizer(config.training, params)
+    schedule = warmup_cosine(total_steps, config.training.warmup_ratio)
+    engine, _, _, scheduler = deepspeed.initialize(
+        model=model,
+        model_parameters=params,
+        optimizer=optimizer,
+        lr_scheduler=lambda opt: LambdaLR(opt, schedule),
+        config=engine_config(config, client=optimizer is not None),
+    )
+    return engine, scheduler

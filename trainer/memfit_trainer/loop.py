@@ -1,0 +1,194 @@
+"""The training loop: resume, step, checkpoint, export.
+
+One optimizer step is ``gradient_accumulation_steps`` micro-batches through ``engine.backward`` and
+``engine.step`` (DeepSpeed applies the update, the clipping and the LR schedule at the boundary). Every
+``checkpointEverySteps`` optimizer steps, and at the end, the full training state is saved with the
+:class:`~memfit_trainer.checkpoint.CheckpointManager` protocol: DeepSpeed's shards (model, optimizer, LR
+scheduler), the data position in the marker and each rank's RNG state. On start the newest complete
+checkpoint is loaded, so a restarted pod continues with exactly the batches and random numbers the
+uninterrupted run would have used.
+
+Test hook: ``MEMFIT_TEST_INJECT_OOM_AT_STEP=N`` raises ``torch.OutOfMemoryError`` inside optimizer step N on
+every rank, to exercise the out-of-memory path without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from memfit_trainer.checkpoint import CheckpointManager, fsync_tree, load_rng_state, save_rng_state
+from memfit_trainer.config import TrainerConfig
+from memfit_trainer.console import ConsoleProgress
+from memfit_trainer.data import DataPosition, DataSource, PackedBatches, build_batches
+from memfit_trainer.engine import build_engine, total_optimizer_steps
+from memfit_trainer.export import save_final
+from memfit_trainer.model import build_model
+from memfit_trainer.oom import OomGuard
+
+CHECKPOINT_TAG = "deepspeed"
+INJECT_OOM_ENV = "MEMFIT_TEST_INJECT_OOM_AT_STEP"
+
+
+class Metrics(Protocol):
+    """What the loop reports (implemented by ``memfit_trainer.metrics.TrainerMetrics``)."""
+
+    def step(
+        self,
+        *,
+        step: int,
+        total_steps: int | None,
+        loss: float,
+        learning_rate: float,
+        tokens: int,
+        samples: int,
+        step_seconds: float,
+    ) -> None: ...
+
+    def checkpoint(self, *, step: int, seconds: float) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int
+    local_rank: int
+    world_size: int
+
+
+def _inject_oom(step: int) -> None:
+    if os.environ.get(INJECT_OOM_ENV) == str(step):
+        raise torch.OutOfMemoryError(f"injected by {INJECT_OOM_ENV}={step} (test hook)")
+
+
+def _batches(config: TrainerConfig, tokenizer: Any, ranks: Ranks) -> PackedBatches:
+    data = config.data
+    source = DataSource(
+        path=data.path,
+        text_field=data.text_field,
+        messages_field=data.messages_field,
+        format=data.format,
+        streaming=data.streaming,
+    )
+    return build_batches(
+        source,
+        tokenizer,
+        sequence_length=config.training.sequence_length,
+        micro_batch_size=config.training.micro_batch_size,
+        rank=ranks.rank,
+        world_size=ranks.world_size,
+        seed=config.training.seed,
+    )
+
+
+def _latest_step(manager: CheckpointManager, rank: int) -> int | None:
+    """Rank 0's view of the newest complete checkpoint, shared so that all ranks load the same one."""
+    found: list[int | None] = [None]
+    if rank == 0:
+        manager.cleanup_stale()
+        latest = manager.latest_complete()
+        found = [latest.step if latest is not None else None]
+    dist.broadcast_object_list(found, src=0)
+    return found[0]
+
+
+def _resume(engine: Any, manager: CheckpointManager, step: int, ranks: Ranks, lora: bool) -> DataPosition:
+    checkpoint = next(c for c in manager.complete() if c.step == step)
+    path, _ = engine.load_checkpoint(str(checkpoint.path), tag=CHECKPOINT_TAG, load_module_strict=not lora)
+    if path is None:
+        raise RuntimeError(f"DeepSpeed found no state in checkpoint {checkpoint.path}")
+    load_rng_state(checkpoint.path, ranks.rank)
+    return DataPosition.from_dict(checkpoint.data_position)
+
+
+def _save_checkpoint(
+    engine: Any, manager: CheckpointManager, step: int, position: DataPosition, ranks: Ranks, keep: int, lora: bool
+) -> None:
+    """The multi-rank protocol of :mod:`memfit_trainer.checkpoint` (collective)."""
+    if ranks.rank == 0:
+        manager.prepare(step)
+    dist.barrier()
+    tmp = manager.temp_dir(step)
+    engine.save_checkpoint(str(tmp), tag=CHECKPOINT_TAG, save_latest=False, exclude_frozen_parameters=lora)
+    save_rng_state(tmp, ranks.rank)
+    fsync_tree(tmp)
+    dist.barrier()
+    if ranks.rank == 0:
+        manager.commit(step, {"dataPosition": position.to_dict()})
+        manager.prune(keep)
+    dist.barrier()
+
+
+def _mean_across_ranks(value: torch.Tensor) -> float:
+    value = value.detach().float().cpu()
+    dist.all_reduce(value)
+    return value.item() / dist.get_world_size()
+
+
+def train(config: TrainerConfig, ranks: Ranks, metrics: Metrics, guard: OomGuard) -> None:
+    """Run (or finish) the training the config describes; collective over all ranks.
+
+    The caller runs this inside ``with guard:`` (one guard for the whole run: nesting guards would report
+    the inner guard's exit as a second OOM); the loop keeps ``guard.step`` at the step in progress.
+    """
+    training = config.training
+    lora = training.method in ("lora", "qlora")
+    built = build_model(config, ranks.local_rank)
+    batches = _batches(config, built.tokenizer, ranks)
+    total = total_optimizer_steps(training, batches.micro_batches_per_epoch)
+    engine, scheduler = build_engine(config, built.model, total)
+    progress = ConsoleProgress(total, enabled=ranks.rank == 0)
+
+    manager = CheckpointManager(config.checkpoint_dir)
+    if ranks.rank == 0:
+        config.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    resumed_from = _latest_step(manager, ranks.rank)
+    position, step = DataPosition(), 0
+    if resumed_from is not None:
+        position, step = _resume(engine, manager, resumed_from, ranks, lora), resumed_from
+        progress.message(f"resumed from checkpoint step {step} (data position {position.to_dict()})")
+    else:
+        torch.manual_seed(training.seed + ranks.rank)  # dropout differs per rank, reproducibly
+
+    device = engine.device
+    accumulation = training.gradient_accumulation_steps
+    samples_per_rank = training.micro_batch_size * accumulation  # per optimizer step
+    tokens_per_rank = samples_per_rank * training.sequence_length
+    stream = batches.iterate(position)
+    while step < total:
+        started = time.monotonic()
+        guard.at(step + 1)  # an OOM from here on is reported as this step's
+        loss_sum = torch.zeros((), device=device)
+        for _ in range(accumulation):
+            position, batch = next(stream)
+            outputs = engine(**{k: v.to(device) for k, v in batch.items()})
+            engine.backward(outputs.loss)
+            engine.step()
+            loss_sum += outputs.loss.detach().float()
+        _inject_oom(step + 1)
+        step += 1
+        loss_value = _mean_across_ranks(loss_sum / accumulation)
+        seconds = time.monotonic() - started
+        learning_rate = float(scheduler.get_last_lr()[0])
+        metrics.step(
+            step=step,
+            total_steps=total,
+            loss=loss_value,
+            learning_rate=learning_rate,
+            tokens=tokens_per_rank,
+            samples=samples_per_rank,
+            step_seconds=seconds,
+        )
+        progress.step(step, loss_value, learning_rate, tokens_per_rank * ranks.world_size)
+        if step % training.checkpoint_every_steps == 0 or step == total:
+            started = time.monotonic()
+            _save_checkpoint(engine, manager, step, position, ranks, training.keep_checkpoints, lora)
+            metrics.checkpoint(step=step, seconds=time.monotonic() - started)
+    save_final(engine, built.tokenizer, config.final_dir, rank=ranks.rank, lora=lora)
+    progress.message(f"done: step {step}/{total}, final output in {config.final_dir}")

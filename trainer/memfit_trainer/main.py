@@ -1,0 +1,92 @@
+"""``memfit-train --config FILE``: the process inside each training pod (one per GPU, under torchrun).
+
+Exit codes: 0 done (or already done), 2 the config cannot be run here (one line on stderr, before any GPU
+work), 86 out of GPU memory (see :mod:`memfit_trainer.oom`; torchrun reports a failed worker as 1, the
+termination message keeps the reason), 1 anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from collections.abc import Sequence
+
+from memfit_trainer.config import ConfigError, TrainerConfig, load_config
+
+EXIT_CONFIG = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="memfit-train", description="Run one memfit training job (one rank).")
+    parser.add_argument("--config", required=True, help="the trainer config JSON the operator rendered")
+    return parser
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _single_process_defaults() -> None:
+    """Started without torchrun (one rank, e.g. ``memfit run --local``): describe a world of one."""
+    if "RANK" in os.environ:
+        return
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+def run(config: TrainerConfig) -> int:
+    """Initialise the process group, train, tear down; the exit code."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    from memfit_trainer.data import DataError
+    from memfit_trainer.loop import Ranks, train
+    from memfit_trainer.metrics import TrainerMetrics
+    from memfit_trainer.oom import OomGuard
+    from memfit_trainer.tokenizer import TokenizerLoadError
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    ranks = Ranks(rank=dist.get_rank(), local_rank=local_rank, world_size=dist.get_world_size())
+    guard = OomGuard(
+        planned_peak_bytes=config.prediction.peak_allocated_bytes if config.prediction else None,
+        termination_log=config.termination_log,
+    )
+    metrics = TrainerMetrics.from_config(
+        config, rank=ranks.rank, local_rank=ranks.local_rank, world_size=ranks.world_size
+    )
+    try:
+        with guard:  # model loading and engine set-up (step None) too, not only the steps
+            train(config, ranks, metrics, guard)
+    except (ConfigError, DataError, TokenizerLoadError) as error:
+        print(f"memfit-train: {error}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    finally:
+        metrics.close()
+    dist.destroy_process_group()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        config = load_config(args.config)
+        _single_process_defaults()
+        from memfit_trainer.preflight import check
+
+        check(config, os.environ)
+    except ConfigError as error:
+        print(f"memfit-train: {error}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    return run(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

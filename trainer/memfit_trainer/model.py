@@ -1,0 +1,150 @@
+"""Build the model and tokenizer a config asks for: random or pretrained, full, LoRA or QLoRA.
+
+Everything memory-relevant that the plan assumed is applied here and nowhere else: the weights' dtype
+(from the precision), the attention kernel, non-reentrant gradient checkpointing, the LoRA adapters and,
+for QLoRA, 4-bit NF4 base weights with double quantisation. The Hub token is read from the environment
+variable the config names (a Kubernetes Secret), never from the config itself; ``HF_HUB_OFFLINE`` is
+honoured by ``huggingface_hub``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memfit.model_shape import ModelFamily, ModelShape
+from memfit_trainer.config import ArchitectureConfig, TrainerConfig
+from memfit_trainer.hf_config import transformers_config
+from memfit_trainer.tokenizer import byte_level_tokenizer, load_tokenizer
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flash": "flash_attention_2"}
+
+
+@dataclass
+class BuiltModel:
+    model: Any
+    tokenizer: Any
+    zero3_context: Any = None
+    """``HfDeepSpeedConfig`` that made ``transformers`` build the model partitioned (``zero.Init``); it only
+    works while referenced, so it is kept until ``deepspeed.initialize`` has run."""
+
+
+def model_shape(architecture: ArchitectureConfig) -> ModelShape:
+    return ModelShape(
+        family=ModelFamily(architecture.family),
+        hidden_size=architecture.hidden_size,
+        intermediate_size=architecture.intermediate_size,
+        num_layers=architecture.num_layers,
+        num_attention_heads=architecture.num_attention_heads,
+        num_key_value_heads=architecture.num_key_value_heads,
+        vocab_size=architecture.vocab_size,
+        tie_word_embeddings=architecture.tie_word_embeddings,
+        head_dim=architecture.head_dim,
+        num_experts=architecture.num_experts,
+        experts_per_token=architecture.experts_per_token,
+    )
+
+
+def build_tokenizer(config: TrainerConfig) -> Any:
+    """Random-init models use the built-in byte-level tokenizer; pretrained ones their own."""
+    if config.model.random_init:
+        return byte_level_tokenizer()
+    return load_tokenizer(config.model.name_or_path, token_env=config.model.token_env, revision=config.model.revision)
+
+
+def quantization_config() -> Any:
+    """QLoRA's base-weight format: 4-bit NF4, double-quantised, computing in bf16."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+
+
+def _device_map(local_rank: int) -> dict[str, Any]:
+    return {"": local_rank if torch.cuda.is_available() else "cpu"}
+
+
+def _load_base(config: TrainerConfig, local_rank: int) -> Any:
+    """The base model, randomly initialised (seeded: identical on every rank and every restart) or loaded."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM
+
+    model_config, training = config.model, config.training
+    kwargs: dict[str, Any] = {
+        "dtype": torch.bfloat16 if training.method == "qlora" else DTYPES[training.precision],
+        "attn_implementation": ATTENTION[training.attention],  # flash-attn presence: see preflight
+    }
+    if model_config.random_init:
+        assert model_config.architecture is not None  # guaranteed by ModelConfig's validator
+        torch.manual_seed(training.seed)
+        hf_config = transformers_config(model_shape(model_config.architecture))
+        if training.method != "qlora":
+            return AutoModelForCausalLM.from_config(hf_config, **kwargs)
+        # bitsandbytes quantises only while loading weights: write the random model out and load it back.
+        # (Not with save_pretrained: under torch.distributed it writes on rank 0 only, and this is per rank.)
+        with tempfile.TemporaryDirectory(prefix="memfit-random-init-") as scratch:
+            hf_config.to_json_file(os.path.join(scratch, "config.json"))
+            save_model(
+                AutoModelForCausalLM.from_config(hf_config, **kwargs), os.path.join(scratch, "model.safetensors")
+            )
+            return AutoModelForCausalLM.from_pretrained(
+                scratch, quantization_config=quantization_config(), device_map=_device_map(local_rank), **kwargs
+            )
+    if training.method == "qlora":
+        kwargs.update(quantization_config=quantization_config(), device_map=_device_map(local_rank))
+    return AutoModelForCausalLM.from_pretrained(
+        model_config.name_or_path,
+        revision=model_config.revision,
+        token=os.environ.get(model_config.token_env) or None,
+        **kwargs,
+    )
+
+
+def _lora_config(config: TrainerConfig) -> Any:
+    from peft import LoraConfig
+
+    lora = config.training.lora
+    targets: str | list[str] = "all-linear" if lora.target_modules == ["all-linear"] else list(lora.target_modules)
+    return LoraConfig(
+        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets, task_type="CAUSAL_LM"
+    )
+
+
+def build_model(config: TrainerConfig, local_rank: int = 0) -> BuiltModel:
+    """The trainable model (with adapters for LoRA/QLoRA) and its tokenizer, ready for ``deepspeed.initialize``."""
+    training = config.training
+    tokenizer = build_tokenizer(config)
+    zero3_context = None
+    if config.deepspeed.get("zero_optimization", {}).get("stage", 0) == 3 and training.method != "qlora":
+        from transformers.integrations import HfDeepSpeedConfig
+
+        zero3_context = HfDeepSpeedConfig(config.deepspeed)  # from here on, models are built partitioned
+    model = _load_base(config, local_rank)
+    model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
+    checkpointing = {"use_reentrant": False}
+    if training.method == "qlora":
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=training.gradient_checkpointing,
+            gradient_checkpointing_kwargs=checkpointing,
+        )
+    elif training.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+        if training.method == "lora":
+            model.enable_input_require_grads()  # frozen embeddings would otherwise cut the graph
+    if training.method in ("lora", "qlora"):
+        from peft import get_peft_model
+
+        model = get_peft_model(model, _lora_config(config))
+    return BuiltModel(model=model, tokenizer=tokenizer, zero3_context=zero3_context)

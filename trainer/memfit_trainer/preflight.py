@@ -1,0 +1,96 @@
+"""Check what a config asks for against this machine before any GPU work.
+
+A pod that would fail ten minutes in (after loading a 70B model) because of a missing package, an
+unsupported precision or an unwritable NVMe path should instead fail at once with one clear line. Every
+problem found is reported together, as one :class:`~memfit_trainer.config.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from memfit_trainer.config import ConfigError, TrainerConfig
+
+BYTE_TOKENIZER_VOCAB = 258
+"""Token ids the byte-level tokenizer of random-init models emits (256 bytes, EOS, pad)."""
+NEEDS_BITSANDBYTES = frozenset({"adamw8bit", "paged_adamw8bit"})
+
+
+def _writable_dir(path: Path) -> bool:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(path, os.W_OK | os.X_OK)
+
+
+def _precision_problem(precision: str) -> str | None:
+    if precision == "fp32":
+        return None
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    supported = accelerator.is_bf16_supported() if precision == "bf16" else accelerator.is_fp16_supported()
+    if supported:
+        return None
+    return f"training.precision {precision} is not supported by this machine's {accelerator.device_name()} accelerator"
+
+
+def _offload_problems(deepspeed: Mapping[str, object]) -> list[str]:
+    zero = deepspeed.get("zero_optimization") or {}
+    assert isinstance(zero, Mapping)
+    problems = []
+    for key in ("offload_optimizer", "offload_param"):
+        section = zero.get(key) or {}
+        if isinstance(section, Mapping) and section.get("device") == "nvme":
+            nvme = section.get("nvme_path")
+            if not nvme or not Path(str(nvme)).is_dir():
+                problems.append(f"deepspeed {key} uses NVMe but nvme_path {nvme!r} does not exist")
+            elif not os.access(str(nvme), os.W_OK | os.X_OK):
+                problems.append(f"deepspeed {key} uses NVMe but nvme_path {nvme!r} is not writable")
+    return problems
+
+
+def check(config: TrainerConfig, environ: Mapping[str, str]) -> None:
+    """Raise ConfigError naming every way ``config`` cannot run here."""
+    training, data = config.training, config.data
+    problems: list[str] = []
+    world_size = int(environ.get("WORLD_SIZE", "1"))
+    if world_size != config.world_size:
+        problems.append(
+            f"{world_size} rank(s) started but the plan is for {config.world_size} (globalBatchSize "
+            f"{training.global_batch_size} = microBatchSize {training.micro_batch_size} x "
+            f"gradientAccumulationSteps {training.gradient_accumulation_steps} x ranks)"
+        )
+    if (data.text_field is None) == (data.messages_field is None):
+        problems.append("data needs exactly one of textField and messagesField")
+    if not Path(data.path).exists():
+        problems.append(f"data.path {data.path!r} does not exist")
+    if data.streaming and training.max_steps is None:
+        problems.append("streaming data has no known epoch length: set training.maxSteps")
+    architecture = config.model.architecture
+    if config.model.random_init and architecture is not None and architecture.vocab_size < BYTE_TOKENIZER_VOCAB:
+        problems.append(
+            f"model.architecture.vocabSize {architecture.vocab_size} is below the {BYTE_TOKENIZER_VOCAB} ids of "
+            "the byte-level tokenizer random-init models use"
+        )
+    if training.attention == "flash" and importlib.util.find_spec("flash_attn") is None:
+        problems.append("training.attention is flash but the flash-attn package is not installed")
+    bnb_needed = training.method == "qlora" or (
+        "optimizer" not in config.deepspeed and training.optimizer in NEEDS_BITSANDBYTES | {"lion"}
+    )
+    if bnb_needed and importlib.util.find_spec("bitsandbytes") is None:
+        problems.append(f"{training.method} with optimizer {training.optimizer} needs bitsandbytes, not installed")
+    if training.method == "qlora" and training.precision != "bf16":
+        problems.append("qlora computes in bf16: set training.precision to bf16")
+    problems.extend(_offload_problems(config.deepspeed))
+    if not _writable_dir(Path(config.output_dir)):
+        problems.append(f"outputDir {config.output_dir!r} cannot be created or written")
+    precision = _precision_problem(training.precision)
+    if precision:
+        problems.append(precision)
+    if problems:
+        raise ConfigError("; ".join(problems))
