@@ -31,7 +31,7 @@ test: setup tools
 	OMP_NUM_THREADS=1 $(PY) -m pytest
 
 demo: setup
-	$(VENV)/bin/memfit plan examples/llama-3.1-8b-lora.yaml --inventory examples/inventory.yaml
+	$(VENV)/bin/memfit run examples/tiny/job.yaml --local
 
 crds: setup
 	$(PY) -c "from memfit.api.crd import CRD_FILES, crd_yaml; [open(f'crds/{n}', 'w').write(crd_yaml(g())) for n, g in CRD_FILES.items()]"
