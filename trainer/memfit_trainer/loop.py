@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,31 +28,12 @@ from memfit_trainer.console import ConsoleProgress
 from memfit_trainer.data import DataPosition, DataSource, PackedBatches, build_batches
 from memfit_trainer.engine import build_engine, total_optimizer_steps
 from memfit_trainer.export import save_final
+from memfit_trainer.metrics import TrainerMetrics
 from memfit_trainer.model import build_model
 from memfit_trainer.oom import OomGuard
 
 CHECKPOINT_TAG = "deepspeed"
 INJECT_OOM_ENV = "MEMFIT_TEST_INJECT_OOM_AT_STEP"
-
-
-class Metrics(Protocol):
-    """What the loop reports (implemented by ``memfit_trainer.metrics.TrainerMetrics``)."""
-
-    def step(
-        self,
-        *,
-        step: int,
-        total_steps: int | None,
-        loss: float,
-        learning_rate: float,
-        tokens: int,
-        samples: int,
-        step_seconds: float,
-    ) -> None: ...
-
-    def checkpoint(self, *, step: int, seconds: float) -> None: ...
-
-    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -131,7 +112,7 @@ def _mean_across_ranks(value: torch.Tensor) -> float:
     return value.item() / dist.get_world_size()
 
 
-def train(config: TrainerConfig, ranks: Ranks, metrics: Metrics, guard: OomGuard) -> None:
+def train(config: TrainerConfig, ranks: Ranks, metrics: TrainerMetrics, guard: OomGuard) -> None:
     """Run (or finish) the training the config describes; collective over all ranks.
 
     The caller runs this inside ``with guard:`` (one guard for the whole run: nesting guards would report
