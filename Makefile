@@ -42,3 +42,4 @@ lint: setup
 bench: setup
 	$(PY) bench/planner_speed.py
 	$(PY) bench/estimate_vs_trace.py | tail -n 8
+	DS_ACCELERATOR=cpu $(PY) bench/trainer_vs_deepspeed.py
