@@ -44,8 +44,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from memfit.model_shape import ModelFamily, ModelShape
 from memfit_trainer.config import (
-    ArchitectureConfig,
     DataConfig,
     MetricsConfig,
     ModelConfig,
@@ -57,8 +57,8 @@ WORLD_SIZE = 2
 MICRO_BATCH = 2
 SEQUENCE_LENGTH = 128
 LEARNING_RATE = 1e-3
-ARCHITECTURE = ArchitectureConfig(
-    family="llama",
+ARCHITECTURE = ModelShape(
+    family=ModelFamily.LLAMA,
     hidden_size=256,
     intermediate_size=688,
     num_layers=4,
@@ -146,7 +146,6 @@ def bare_worker(config_path: Path, out: Path) -> int:
     from torch.optim.lr_scheduler import LambdaLR
     from transformers import AutoModelForCausalLM
 
-    from memfit.model_shape import ModelFamily, ModelShape
     from memfit_trainer.hf_config import transformers_config
 
     config = TrainerConfig.model_validate(json.loads(config_path.read_text()))
@@ -155,9 +154,8 @@ def bare_worker(config_path: Path, out: Path) -> int:
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     rank = dist.get_rank()
     torch.manual_seed(training.seed)  # the trainer's random init: the same weights
-    shape = ModelShape(**{**architecture.model_dump(), "family": ModelFamily(architecture.family)})
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[training.precision]
-    model = AutoModelForCausalLM.from_config(transformers_config(shape), dtype=dtype, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(transformers_config(architecture), dtype=dtype, attn_implementation="sdpa")
     model.config.use_cache = False
     params = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(

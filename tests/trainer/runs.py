@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from memfit.model_shape import ModelFamily, ModelShape
 from memfit_trainer.config import (
-    ArchitectureConfig,
     DataConfig,
     LoraConfig,
     MetricsConfig,
@@ -28,15 +28,8 @@ from memfit_trainer.config import (
 WORLD_SIZE = 2
 MICRO_BATCH = 2
 SEQUENCE_LENGTH = 64
-TINY_LLAMA = ArchitectureConfig(
-    family="llama",
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=258,
-)
+TINY_LLAMA = ModelShape(ModelFamily.LLAMA, hidden_size=64, intermediate_size=128, num_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, vocab_size=258)  # fmt: skip
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) loss ([0-9.]+)", re.MULTILINE)
 
 

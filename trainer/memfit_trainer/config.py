@@ -16,6 +16,7 @@ from pydantic import Field, PositiveInt, ValidationError, model_validator
 
 from memfit.api.base import ApiModel
 from memfit.api.loading import describe_validation_error
+from memfit.model_shape import ModelShape
 
 CONFIG_VERSION = 1
 
@@ -24,29 +25,13 @@ class ConfigError(ValueError):
     """The config cannot be honoured; raised at start, before any GPU work."""
 
 
-class ArchitectureConfig(ApiModel):
-    """A model shape (memfit.model_shape.ModelShape's fields), for building a randomly initialised model."""
-
-    family: str
-    hidden_size: PositiveInt
-    intermediate_size: PositiveInt
-    num_layers: PositiveInt
-    num_attention_heads: PositiveInt
-    num_key_value_heads: PositiveInt
-    vocab_size: PositiveInt
-    tie_word_embeddings: bool = False
-    head_dim: PositiveInt | None = None
-    num_experts: PositiveInt = 1
-    experts_per_token: PositiveInt = 1
-
-
 class ModelConfig(ApiModel):
     name_or_path: str
     """Hub id or local directory given to from_pretrained."""
     random_init: bool = False
     """Build the architecture with random weights instead of loading (smoke tests, examples)."""
-    architecture: ArchitectureConfig | None = None
-    """Required with randomInit."""
+    architecture: ModelShape | None = None
+    """The model's shape (memfit.model_shape.ModelShape); required with randomInit."""
     revision: str | None = None
     token_env: str = "HF_TOKEN"
     """Environment variable holding the Hub token (the token itself never appears in the config)."""

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from memfit_trainer.checkpoint import CheckpointManager, fsync_tree, load_rng_state, save_rng_state
-from memfit_trainer.config import TrainerConfig
+from memfit_trainer.config import ConfigError, TrainerConfig
 from memfit_trainer.console import ConsoleProgress
 from memfit_trainer.data import DataPosition, DataSource, PackedBatches, build_batches
 from memfit_trainer.engine import build_engine, total_optimizer_steps
@@ -79,6 +79,26 @@ def _latest_step(manager: CheckpointManager, rank: int) -> int | None:
     return found[0]
 
 
+def checkpoint_layout(config: TrainerConfig, world_size: int) -> dict[str, Any]:
+    """What decides how DeepSpeed shards a checkpoint: another layout cannot load it directly."""
+    zero = config.deepspeed.get("zero_optimization", {}).get("stage", 0)
+    return {"method": config.training.method, "precision": config.training.precision, "zeroStage": zero,
+            "worldSize": world_size}  # fmt: skip
+
+
+def _check_layout(manager: CheckpointManager, step: int, layout: dict[str, Any]) -> None:
+    """Refuse, before any model is built, a checkpoint another layout wrote (DeepSpeed would fail deep
+    inside its loader with a missing shard file)."""
+    checkpoint = next(c for c in manager.complete() if c.step == step)
+    written = checkpoint.marker.get("layout")
+    if written is not None and written != layout:
+        raise ConfigError(
+            f"checkpoint {checkpoint.path} was written by another layout ({written}) than this run's ({layout}): "
+            "DeepSpeed cannot load its shards as they are; convert it to a universal checkpoint "
+            "(deepspeed.checkpoint.ds_to_universal) or start from an empty output directory"
+        )
+
+
 def _resume(engine: Any, manager: CheckpointManager, step: int, ranks: Ranks, lora: bool) -> DataPosition:
     checkpoint = next(c for c in manager.complete() if c.step == step)
     path, _ = engine.load_checkpoint(str(checkpoint.path), tag=CHECKPOINT_TAG, load_module_strict=not lora)
@@ -89,7 +109,14 @@ def _resume(engine: Any, manager: CheckpointManager, step: int, ranks: Ranks, lo
 
 
 def _save_checkpoint(
-    engine: Any, manager: CheckpointManager, step: int, position: DataPosition, ranks: Ranks, keep: int, lora: bool
+    engine: Any,
+    manager: CheckpointManager,
+    step: int,
+    position: DataPosition,
+    ranks: Ranks,
+    keep: int,
+    lora: bool,
+    layout: dict[str, Any],
 ) -> None:
     """The multi-rank protocol of :mod:`memfit_trainer.checkpoint` (collective)."""
     if ranks.rank == 0:
@@ -101,7 +128,7 @@ def _save_checkpoint(
     fsync_tree(tmp)
     dist.barrier()
     if ranks.rank == 0:
-        manager.commit(step, {"dataPosition": position.to_dict()})
+        manager.commit(step, {"dataPosition": position.to_dict(), "layout": layout})
         manager.prune(keep)
     dist.barrier()
 
@@ -120,16 +147,19 @@ def train(config: TrainerConfig, ranks: Ranks, metrics: TrainerMetrics, guard: O
     """
     training = config.training
     lora = training.method in ("lora", "qlora")
+    layout = checkpoint_layout(config, ranks.world_size)
+    manager = CheckpointManager(config.checkpoint_dir)
+    if ranks.rank == 0:
+        config.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    resumed_from = _latest_step(manager, ranks.rank)
+    if resumed_from is not None:
+        _check_layout(manager, resumed_from, layout)
+
     built = build_model(config, ranks.local_rank)
     batches = _batches(config, built.tokenizer, ranks)
     total = total_optimizer_steps(training, batches.micro_batches_per_epoch)
     engine, scheduler = build_engine(config, built.model, total)
     progress = ConsoleProgress(total, enabled=ranks.rank == 0)
-
-    manager = CheckpointManager(config.checkpoint_dir)
-    if ranks.rank == 0:
-        config.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    resumed_from = _latest_step(manager, ranks.rank)
     position, step = DataPosition(), 0
     if resumed_from is not None:
         position, step = _resume(engine, manager, resumed_from, ranks, lora), resumed_from
@@ -169,7 +199,7 @@ def train(config: TrainerConfig, ranks: Ranks, metrics: TrainerMetrics, guard: O
         progress.step(step, loss_value, learning_rate, tokens_per_rank * ranks.world_size)
         if step % training.checkpoint_every_steps == 0 or step == total:
             started = time.monotonic()
-            _save_checkpoint(engine, manager, step, position, ranks, training.keep_checkpoints, lora)
+            _save_checkpoint(engine, manager, step, position, ranks, training.keep_checkpoints, lora, layout)
             metrics.checkpoint(step=step, seconds=time.monotonic() - started)
     save_final(engine, built.tokenizer, config.final_dir, rank=ranks.rank, lora=lora)
     progress.message(f"done: step {step}/{total}, final output in {config.final_dir}")

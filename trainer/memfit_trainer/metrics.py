@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from memfit.model_shape import ModelFamily, ModelShape
-from memfit_trainer.config import ArchitectureConfig, TrainerConfig
+from memfit.model_shape import ModelShape
+from memfit_trainer.config import TrainerConfig
 from memfit_trainer.progress import Progress, write_progress
 
 log = logging.getLogger(__name__)
@@ -58,10 +58,6 @@ def model_flops_per_token(shape: ModelShape, sequence_length: int, method: str) 
     """
     forward = 2 * shape.active_parameters_per_token + 2 * shape.num_layers * sequence_length * shape.q_size
     return forward * (3 if method == "full" else 2)
-
-
-def _shape(architecture: ArchitectureConfig) -> ModelShape:
-    return ModelShape(**{**architecture.model_dump(), "family": ModelFamily(architecture.family)})
 
 
 def _resident_bytes() -> float:
@@ -159,8 +155,7 @@ class TrainerMetrics:
             architecture = config.model.architecture
             if prediction.peak_flops and architecture is not None:
                 training = config.training
-                shape = _shape(architecture)
-                self._flops_per_token = model_flops_per_token(shape, training.sequence_length, training.method)
+                self._flops_per_token = model_flops_per_token(architecture, training.sequence_length, training.method)
                 self._peak_flops = prediction.peak_flops
                 self._mfu_gauge = self._gauge(
                     "memfit_train_estimated_mfu_ratio",

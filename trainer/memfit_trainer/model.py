@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from memfit.model_shape import ModelFamily, ModelShape
-from memfit_trainer.config import ArchitectureConfig, TrainerConfig
+from memfit_trainer.config import TrainerConfig
 from memfit_trainer.hf_config import transformers_config
 from memfit_trainer.tokenizer import byte_level_tokenizer, load_tokenizer
 
@@ -32,22 +31,6 @@ class BuiltModel:
     zero3_context: Any = None
     """``HfDeepSpeedConfig`` that made ``transformers`` build the model partitioned (``zero.Init``); it only
     works while referenced, so it is kept until ``deepspeed.initialize`` has run."""
-
-
-def model_shape(architecture: ArchitectureConfig) -> ModelShape:
-    return ModelShape(
-        family=ModelFamily(architecture.family),
-        hidden_size=architecture.hidden_size,
-        intermediate_size=architecture.intermediate_size,
-        num_layers=architecture.num_layers,
-        num_attention_heads=architecture.num_attention_heads,
-        num_key_value_heads=architecture.num_key_value_heads,
-        vocab_size=architecture.vocab_size,
-        tie_word_embeddings=architecture.tie_word_embeddings,
-        head_dim=architecture.head_dim,
-        num_experts=architecture.num_experts,
-        experts_per_token=architecture.experts_per_token,
-    )
 
 
 def build_tokenizer(config: TrainerConfig) -> Any:
@@ -86,7 +69,7 @@ def _load_base(config: TrainerConfig, local_rank: int) -> Any:
     if model_config.random_init:
         assert model_config.architecture is not None  # guaranteed by ModelConfig's validator
         torch.manual_seed(training.seed)
-        hf_config = transformers_config(model_shape(model_config.architecture))
+        hf_config = transformers_config(model_config.architecture)
         if training.method != "qlora":
             return AutoModelForCausalLM.from_config(hf_config, **kwargs)
         # bitsandbytes quantises only while loading weights: write the random model out and load it back.

@@ -13,7 +13,6 @@ from memfit.api.finetunejob import FineTuneJob
 from memfit.api.plan import PlanCandidate
 from memfit.render.deepspeed import deepspeed_config, default_learning_rate
 from memfit_trainer.config import (
-    ArchitectureConfig,
     DataConfig,
     LoraConfig,
     MetricsConfig,
@@ -57,17 +56,10 @@ def render_trainer_config(
     else:
         name_or_path = spec.model.name
     training = spec.training
-    architecture = ArchitectureConfig(
-        family=shape.family.value, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
-        num_layers=shape.num_layers, num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads, vocab_size=shape.vocab_size,
-        tie_word_embeddings=shape.tie_word_embeddings, head_dim=shape.head_dim, num_experts=shape.num_experts,
-        experts_per_token=shape.experts_per_token,
-    )  # fmt: skip
     memory = plan.memory.per_gpu
     return TrainerConfig(
         job=f"{job.metadata.namespace or 'default'}/{job.metadata.name}",
-        model=ModelConfig(name_or_path=name_or_path, random_init=spec.model.random_init, architecture=architecture),
+        model=ModelConfig(name_or_path=name_or_path, random_init=spec.model.random_init, architecture=shape),
         data=DataConfig(
             path=inside(mounts.data, spec.dataset.source.path),
             format=spec.dataset.format.value,
