@@ -151,3 +151,16 @@ def test_longer_sequences_need_more_memory_and_checkpointing_saves_it() -> None:
 def test_auto_prefers_full_fine_tuning_when_it_fits() -> None:
     result = plan_job(job("qwen2.5-0.5b"), [A100_NODE])
     assert result.chosen is not None and result.chosen.strategy.method == "full"
+
+
+def test_advice_for_a_host_memory_shortfall_points_at_the_host_and_the_method() -> None:
+    result = plan_job(job("llama-3.1-70b", "full"), [pool("l4", "NVIDIA-L4", 1, 4, 60)])
+    assert result.chosen is None and result.rejected[0].reason.startswith("CPU memory")
+    assert any("cpuMemoryGiBPerNode" in line and "nvmeGiBPerNode" in line for line in result.advice)
+    assert any(line.startswith("method auto") for line in result.advice)
+
+
+def test_advice_for_a_gpu_shortfall_names_the_gpu_size_that_would_fit() -> None:
+    result = plan_job(job("llama-2-13b", "full", strategy={"zeroStage": 0}), [pool("l4", "NVIDIA-L4", 1, 1, 1000)])
+    assert result.chosen is None
+    assert any("would fit it" in line for line in result.advice)

@@ -22,9 +22,14 @@ def advise(
     strategy, gpu = nearest.strategy, nearest.memory.per_gpu
     usable = nearest.gpu_memory_bytes * (1 - spec.resources.memory_headroom_percent / 100)
     advice = [f"nearest miss: {strategy.summary()} ({nearest.reason})"]
+    lighter_method = spec.method not in (Method.AUTO, Method.QLORA)
     if not nearest.reason.startswith("GPU memory"):
-        advice.append("give the pool more CPU memory or NVMe (cpuMemoryGiBPerNode, nvmeGiBPerNode), or pin "
-                      "strategy.offloadOptimizer: none")  # fmt: skip
+        advice.append(
+            "the states offloaded to the host need more room: more CPU memory or NVMe per node "
+            "(cpuMemoryGiBPerNode, nvmeGiBPerNode), or more nodes (ZeRO-3 divides them between nodes)"
+        )
+        if lighter_method:
+            advice.append("method auto (or lora/qlora) trains adapters and offloads almost nothing")
         return advice
     gap = gpu.total - usable
     headroom = 1 - spec.resources.memory_headroom_percent / 100
