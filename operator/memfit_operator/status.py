@@ -1,0 +1,170 @@
+"""Pure status logic of a FineTuneJob: conditions per the Kubernetes API conventions, how an attempt's
+pods add up to a phase, why a pod failed, and what ``kubectl get`` shows.
+
+No cluster here: the handlers read pods and write status; these functions decide what to write.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+from memfit.api.base import Condition
+from memfit.api.finetunejob import Phase
+from memfit.api.plan import PlanCandidate
+
+GIB = 1024**3
+OOM_REASON = "OutOfMemory"
+"""The trainer's termination-message reason for a CUDA out-of-memory error (memfit_trainer.oom)."""
+
+
+def now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def set_condition(
+    conditions: Iterable[Condition],
+    type_: str,
+    status: bool | None,
+    reason: str,
+    message: str,
+    generation: int | None,
+    at: str | None = None,
+) -> list[Condition]:
+    """Conditions with ``type_`` set; lastTransitionTime moves only when the status changes."""
+    wanted = {True: "True", False: "False", None: "Unknown"}[status]
+    result, found = [], False
+    for condition in conditions:
+        if condition.type != type_:
+            result.append(condition)
+            continue
+        found = True
+        changed = condition.status != wanted
+        result.append(
+            Condition(
+                type=type_,
+                status=wanted,  # type: ignore[arg-type]
+                reason=reason,
+                message=message,
+                last_transition_time=(at or now()) if changed else condition.last_transition_time,
+                observed_generation=generation,
+            )
+        )
+    if not found:
+        result.append(
+            Condition(
+                type=type_, status=wanted, reason=reason, message=message,  # type: ignore[arg-type]
+                last_transition_time=at or now(), observed_generation=generation,
+            )
+        )  # fmt: skip
+    return result
+
+
+class PodOutcome(StrEnum):
+    PENDING = "Pending"
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    OUT_OF_MEMORY = "OutOfMemory"
+
+
+@dataclass(frozen=True)
+class PodReport:
+    """What one trainer pod says about itself."""
+
+    name: str
+    outcome: PodOutcome
+    reason: str = ""
+    """Why it failed, in a sentence (empty unless failed)."""
+
+
+def _termination(container_status: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    state = container_status.get("state") or {}
+    return state.get("terminated")
+
+
+def _oom_message(message: str | None) -> str | None:
+    """The trainer's JSON termination message when it reports an out-of-memory error."""
+    if not message:
+        return None
+    try:
+        payload = json.loads(message)
+    except json.JSONDecodeError:
+        return None
+    if isinstance(payload, dict) and payload.get("reason") == OOM_REASON:
+        measured, planned = payload.get("measuredPeakBytes"), payload.get("plannedPeakBytes")
+        detail = (
+            f" (measured peak {measured / GIB:.1f} GiB, planned {planned / GIB:.1f} GiB)"
+            if measured and planned
+            else ""
+        )
+        return f"CUDA out of memory at step {payload.get('step')}{detail}"
+    return None
+
+
+def report_pod(pod: Mapping[str, Any]) -> PodReport:
+    """Classify a trainer pod from its status (as the API returns it)."""
+    name = pod.get("metadata", {}).get("name", "?")
+    status = pod.get("status") or {}
+    phase = status.get("phase", "Pending")
+    for container in status.get("containerStatuses") or []:
+        terminated = _termination(container)
+        if not terminated or terminated.get("exitCode", 0) == 0:
+            continue
+        if terminated.get("reason") == "OOMKilled":
+            return PodReport(name, PodOutcome.OUT_OF_MEMORY, f"{name}: host memory exhausted (OOMKilled)")
+        oom = _oom_message(terminated.get("message"))
+        if oom is not None:
+            return PodReport(name, PodOutcome.OUT_OF_MEMORY, f"{name}: {oom}")
+        return PodReport(name, PodOutcome.FAILED, f"{name}: exit code {terminated.get('exitCode')} "
+                                                  f"({terminated.get('reason') or 'Error'})")  # fmt: skip
+    if phase == "Failed":
+        return PodReport(name, PodOutcome.FAILED, f"{name}: {status.get('reason') or 'failed'}")
+    return PodReport(name, PodOutcome(phase) if phase in PodOutcome.__members__.values() else PodOutcome.PENDING)
+
+
+@dataclass(frozen=True)
+class GangState:
+    """An attempt's pods together: the gang fails as soon as one rank does."""
+
+    outcome: PodOutcome
+    reason: str
+
+
+def gang_state(reports: Iterable[PodReport], expected: int) -> GangState:
+    reports = list(reports)
+    for wanted in (PodOutcome.OUT_OF_MEMORY, PodOutcome.FAILED):
+        failed = [r for r in reports if r.outcome is wanted]
+        if failed:
+            return GangState(wanted, "; ".join(r.reason for r in failed))
+    if len(reports) == expected and all(r.outcome is PodOutcome.SUCCEEDED for r in reports):
+        return GangState(PodOutcome.SUCCEEDED, f"all {expected} node ranks finished")
+    if len(reports) == expected and all(r.outcome in (PodOutcome.RUNNING, PodOutcome.SUCCEEDED) for r in reports):
+        return GangState(PodOutcome.RUNNING, f"{expected} node ranks running")
+    return GangState(
+        PodOutcome.PENDING,
+        f"{sum(r.outcome is not PodOutcome.PENDING for r in reports)} of {expected} node ranks started",
+    )
+
+
+PHASE_OF_GANG = {
+    PodOutcome.PENDING: Phase.LAUNCHING,
+    PodOutcome.RUNNING: Phase.RUNNING,
+    PodOutcome.SUCCEEDED: Phase.SUCCEEDED,
+}
+
+
+def memory_per_gpu(plan: PlanCandidate) -> str:
+    """``kubectl get``'s Mem/GPU column: estimated total against capacity."""
+    return f"{plan.memory.per_gpu.total / GIB:.1f}/{plan.gpu_memory_bytes / GIB:.1f} GiB"
+
+
+def progress_display(step: int, total: int | None) -> str:
+    """``kubectl get``'s Progress column."""
+    if not total:
+        return f"step {step}"
+    return f"{100 * step // total}% {step}/{total}"
