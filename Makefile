@@ -9,6 +9,9 @@ TORCH ?= torch==2.13.0
 
 # Debian's promtool checks the metrics the trainer exports (tests/trainer/test_metrics.py).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# A real kube-apiserver + etcd for tests/k8s (the envtest convention): KUBEBUILDER_ASSETS if set, else the
+# shared script builds and caches them (minutes the first time).
+ENVTEST ?= ../shared/k8s/envtest-assets
 # DeepSpeed compiles its CPU ops on first use (minutes): keep them across runs.
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/memfit/torch_extensions
 
@@ -28,7 +31,7 @@ tools:
 		$(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
 test: setup tools
-	OMP_NUM_THREADS=1 $(PY) -m pytest
+	KUBEBUILDER_ASSETS="$${KUBEBUILDER_ASSETS:-$$($(ENVTEST))}" OMP_NUM_THREADS=1 $(PY) -m pytest
 
 demo: setup
 	$(VENV)/bin/memfit run examples/tiny/job.yaml --local

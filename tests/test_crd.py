@@ -39,6 +39,8 @@ def test_schema_is_structural_and_documented(name: str) -> None:
     text = json.dumps(schema)
     for forbidden in ('"$ref"', '"anyOf"', '"oneOf"', '"const"', '"title"'):
         assert forbidden not in text
+    for path, node in _walk(schema, ""):
+        assert not ("properties" in node and "additionalProperties" in node), f"{path}: both are forbidden"
     for path, node in _walk(schema["properties"]["spec"], "spec"):
         assert "type" in node, f"{path} has no type (a structural schema needs one everywhere)"
         if not path.endswith("[]"):

@@ -56,6 +56,21 @@ def to_structural(schema: dict[str, Any], definitions: dict[str, Any] | None = N
             out[key] = value
     if "enum" in out and "type" not in out:
         out["type"] = "string"
+    if "properties" in out and out.get("additionalProperties") is False:
+        # Structural schemas forbid both; the API server prunes unknown fields instead (and the operator
+        # validates every spec with the same pydantic models, so a misspelt field still gets a clear error).
+        del out["additionalProperties"]
+    return out
+
+
+def without_defaults(schema: dict[str, Any]) -> dict[str, Any]:
+    """The schema with no ``default`` anywhere: status is written by the operator, never defaulted."""
+    out = {key: value for key, value in schema.items() if key != "default"}
+    if "properties" in out:
+        out["properties"] = {name: without_defaults(sub) for name, sub in out["properties"].items()}
+    for key in ("items", "additionalProperties"):
+        if isinstance(out.get(key), dict):
+            out[key] = without_defaults(out[key])
     return out
 
 
@@ -113,7 +128,7 @@ def finetunejob_crd() -> dict[str, Any]:
             "kind": {"type": "string"},
             "metadata": {"type": "object"},
             "spec": _object_schema(FineTuneJobSpec, "The desired job."),
-            "status": _object_schema(FineTuneJobStatus, "Observed state, written by the operator."),
+            "status": without_defaults(_object_schema(FineTuneJobStatus, "Observed state, written by the operator.")),
         },
         "required": ["spec"],
     }
