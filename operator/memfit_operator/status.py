@@ -14,7 +14,6 @@ from enum import StrEnum
 from typing import Any
 
 from memfit.api.base import Condition
-from memfit.api.finetunejob import Phase
 from memfit.api.plan import PlanCandidate
 
 GIB = 1024**3
@@ -149,13 +148,6 @@ def gang_state(reports: Iterable[PodReport], expected: int) -> GangState:
         PodOutcome.PENDING,
         f"{sum(r.outcome is not PodOutcome.PENDING for r in reports)} of {expected} node ranks started",
     )
-
-
-PHASE_OF_GANG = {
-    PodOutcome.PENDING: Phase.LAUNCHING,
-    PodOutcome.RUNNING: Phase.RUNNING,
-    PodOutcome.SUCCEEDED: Phase.SUCCEEDED,
-}
 
 
 def memory_per_gpu(plan: PlanCandidate) -> str:

@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.api.plan import PerGPUMemory, PerNodeMemory, PlanMemory
-from memfit.memory.activations import ActivationEstimate, ActivationSetup, estimate_activations
-from memfit.memory.overhead import FRAGMENTATION, overhead
+from memfit.memory.activations import ActivationEstimate, ActivationSetup
+from memfit.memory.overhead import FRAGMENTATION, communication_buffer_bytes, runtime_bytes
 from memfit.memory.states import ModelStates, compute_bytes, model_states, trainable_split
 from memfit.model_shape import ModelShape
 from memfit.strategy import Strategy
@@ -122,13 +122,12 @@ class StaticMemory:
 def static_memory(shape: ModelShape, strategy: Strategy, lora: LoraSettings) -> StaticMemory:
     states = model_states(shape, strategy, lora.rank, lora.targets)
     trainable = trainable_split(shape, strategy.method, lora.rank, lora.targets).trainable
-    fixed = overhead(shape, strategy, trainable, churning_bytes=0)
     cpu, nvme = host_memory_per_node(shape, strategy, states)
     return StaticMemory(
         states=states,
         trainable=trainable,
-        communication_buffers=fixed.communication_buffers,
-        runtime=fixed.cuda_context + fixed.nccl,
+        communication_buffers=communication_buffer_bytes(shape, strategy, trainable),
+        runtime=runtime_bytes(strategy),
         cpu_per_node=cpu,
         nvme_per_node=nvme,
         zero_stage=strategy.zero_stage,
@@ -206,9 +205,3 @@ def peak_memory(static: StaticMemory, activations: ActivationEstimate, accumulat
         cpu_per_node=static.cpu_per_node,
         nvme_per_node=static.nvme_per_node,
     )
-
-
-def estimate_memory(shape: ModelShape, strategy: Strategy, sequence_length: int, lora: LoraSettings) -> MemoryEstimate:
-    """Per-GPU and per-node memory of running ``strategy`` (all of it an estimate)."""
-    activations = estimate_activations(shape, activation_setup(shape, strategy, sequence_length, lora))
-    return peak_memory(static_memory(shape, strategy, lora), activations, strategy.gradient_accumulation_steps)

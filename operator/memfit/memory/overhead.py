@@ -6,8 +6,6 @@ machine without a GPU); the planner's headroom (default 10%) covers their spread
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from memfit.memory.states import compute_bytes
 from memfit.model_shape import ModelShape
 from memfit.render.deepspeed import bucket_elements
@@ -32,19 +30,6 @@ DDP_ALLREDUCE_ELEMENTS = 500_000_000
 """ZeRO-0: DeepSpeed all-reduces gradients in flattened buckets of up to 5e8 elements."""
 
 
-@dataclass(frozen=True)
-class Overhead:
-    cuda_context: int
-    nccl: int
-    communication_buffers: int
-    """Allocated through PyTorch's allocator: part of torch.cuda.max_memory_allocated()."""
-    fragmentation: int
-
-    @property
-    def total(self) -> int:
-        return self.cuda_context + self.nccl + self.communication_buffers + self.fragmentation
-
-
 def communication_buffer_bytes(shape: ModelShape, strategy: Strategy, trainable: int) -> int:
     """Gradient and parameter buckets DeepSpeed allocates for collective communication."""
     if strategy.gpus == 1:
@@ -58,10 +43,6 @@ def communication_buffer_bytes(shape: ModelShape, strategy: Strategy, trainable:
     return 2 * w * buckets["reduce"]  # double-buffered reduce-scatter; prefetched weights are in the working set
 
 
-def overhead(shape: ModelShape, strategy: Strategy, trainable: int, churning_bytes: int) -> Overhead:
-    return Overhead(
-        cuda_context=CUDA_CONTEXT_BYTES,
-        nccl=NCCL_BYTES if strategy.gpus > 1 else 0,
-        communication_buffers=communication_buffer_bytes(shape, strategy, trainable),
-        fragmentation=int(FRAGMENTATION * churning_bytes),
-    )
+def runtime_bytes(strategy: Strategy) -> int:
+    """CUDA context, and NCCL's buffers when there is more than one GPU."""
+    return CUDA_CONTEXT_BYTES + (NCCL_BYTES if strategy.gpus > 1 else 0)
