@@ -2,36 +2,46 @@
 # Two images from one file:
 #   docker build --target operator -t memfit-operator .   slim: the core and kopf, no torch
 #   docker build --target trainer  -t memfit-trainer  .   CUDA, torch, DeepSpeed (ops prebuilt), peft, bitsandbytes
-# Both run as an unprivileged user. The install steps are the ones CI runs (see the Makefile).
+# Both run as the unprivileged uid 10001 (the chart's Deployment and the operator's trainer pods run as it).
+# The install steps are the Makefile's `setup` steps (what CI runs): a virtual environment, pip, setuptools
+# and wheel upgraded, torch first at the Makefile's version, then memfit without build isolation so
+# DeepSpeed builds against that torch. tests/chart/test_dockerfile.py holds the two together.
 
 ARG PYTHON_VERSION=3.11
-ARG CUDA_IMAGE=nvidia/cuda:12.4.1-cudnn-devel-ubuntu22.04
 
 # --- operator ---------------------------------------------------------------------------------------
 FROM python:${PYTHON_VERSION}-slim AS operator
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VIRTUAL_ENV=/opt/memfit PATH=/opt/memfit/bin:$PATH
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY operator ./operator
 # The trainer package comes along for its config contract (pydantic only); torch is not installed.
 COPY trainer ./trainer
-RUN pip install '.[operator]' \
- && useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin memfit
-USER 10001
+RUN python -m venv /opt/memfit \
+ && python -m pip install --upgrade pip setuptools wheel \
+ && python -m pip install '.[operator]' \
+ && useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin memfit
+USER 10001:10001
 ENTRYPOINT ["memfit"]
 CMD ["operator"]
 
 # --- trainer ----------------------------------------------------------------------------------------
-FROM ${CUDA_IMAGE} AS trainer
+# CUDA devel image: nvcc compiles DeepSpeed's ops at build time. Its CUDA version is the one of the
+# PyTorch wheel index below (cu128 = 12.8).
+FROM nvidia/cuda:12.8.1-cudnn-devel-ubuntu22.04 AS trainer
 ARG PYTHON_VERSION
-ARG TORCH_VERSION=2.5.1
-ARG TORCH_INDEX=https://download.pytorch.org/whl/cu124
-ENV DEBIAN_FRONTEND=noninteractive PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 \
-    TORCH_EXTENSIONS_DIR=/opt/torch_extensions HF_HOME=/tmp/hf
+# The Makefile's TORCH pin; the CUDA build of the same version.
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
+ENV DEBIAN_FRONTEND=noninteractive PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VIRTUAL_ENV=/opt/memfit PATH=/opt/memfit/bin:$PATH \
+    TORCH_EXTENSIONS_DIR=/tmp/torch_extensions HF_HOME=/tmp/hf
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python${PYTHON_VERSION} python${PYTHON_VERSION}-dev python3-pip libaio-dev ninja-build \
+ && apt-get install -y --no-install-recommends \
+      python${PYTHON_VERSION} python${PYTHON_VERSION}-dev python${PYTHON_VERSION}-venv libaio-dev ninja-build git \
  && rm -rf /var/lib/apt/lists/* \
- && ln -sf /usr/bin/python${PYTHON_VERSION} /usr/local/bin/python
+ && python${PYTHON_VERSION} -m venv /opt/memfit
 WORKDIR /app
 RUN python -m pip install --upgrade pip setuptools wheel \
  && python -m pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
@@ -39,9 +49,13 @@ COPY pyproject.toml README.md ./
 COPY operator ./operator
 COPY trainer ./trainer
 # DeepSpeed's ops compiled at build time (CPU Adam for offload, fused Adam, async I/O for NVMe), so a pod
-# never spends minutes compiling before its first step.
+# never spends minutes compiling before its first step. No GPU is needed to build them: the architectures
+# are named (A100, A10/A40/3090, L4/L40/4090, H100/H200).
 RUN DS_BUILD_CPU_ADAM=1 DS_BUILD_FUSED_ADAM=1 DS_BUILD_AIO=1 TORCH_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0" \
     python -m pip install --no-build-isolation '.[trainer]' \
- && useradd --uid 10001 --create-home --shell /usr/sbin/nologin memfit
-USER 10001
+ && DS_ACCELERATOR=cuda python -c "from deepspeed.git_version_info import installed_ops as ops; \
+      assert all(ops[op] for op in ('cpu_adam', 'fused_adam', 'async_io')), ops" \
+ && useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin memfit
+USER 10001:10001
+# The operator's pods run `torchrun -m memfit_trainer.main` (on PATH from the virtual environment).
 ENTRYPOINT ["memfit-train"]

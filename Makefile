@@ -15,7 +15,7 @@ ENVTEST ?= ../shared/k8s/envtest-assets
 # DeepSpeed compiles its CPU ops on first use (minutes): keep them across runs.
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/memfit/torch_extensions
 
-.PHONY: setup tools test demo crds lint bench
+.PHONY: setup tools test demo crds dashboards lint bench
 
 setup: $(VENV)/.installed
 
@@ -38,11 +38,17 @@ demo: setup
 
 crds: setup
 	$(PY) -c "from memfit.api.crd import CRD_FILES, crd_yaml; [open(f'crds/{n}', 'w').write(crd_yaml(g())) for n, g in CRD_FILES.items()]"
+	cp crds/memfit.dev_*.yaml charts/memfit/crds/
+
+# The Grafana dashboards of the chart, generated (tests/monitoring fails when they are stale).
+dashboards: setup
+	$(PY) charts/tools/dashboards.py
 
 lint: setup
-	$(VENV)/bin/ruff check operator trainer tests bench
+	$(VENV)/bin/ruff check operator trainer tests bench charts
 
 bench: setup
 	$(PY) bench/planner_speed.py
 	$(PY) bench/estimate_vs_trace.py | tail -n 8
 	DS_ACCELERATOR=cpu $(PY) bench/trainer_vs_deepspeed.py
+	KUBEBUILDER_ASSETS="$${KUBEBUILDER_ASSETS:-$$($(ENVTEST))}" $(PY) bench/operator_scale.py --jobs 500

@@ -200,7 +200,7 @@ def trainer_worker(config_path: Path, out: Path) -> int:
         record_step(self, **kwargs)
 
     def reading_close(self: TrainerMetrics) -> None:
-        labels = {"job": self._labels[0], "rank": self._labels[1]}
+        labels = {"finetunejob": self._labels[0], "rank": self._labels[1]}
         for suffix in ("sum", "count"):
             name = f"memfit_train_step_duration_seconds_{suffix}"
             histogram[suffix] = self.registry.get_sample_value(name, labels)

@@ -25,12 +25,21 @@ class EnvtestUnavailable(RuntimeError):
     """KUBEBUILDER_ASSETS is not set or does not hold the binaries."""
 
 
+OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT = "memfit-system", "memfit-operator"
+"""The identity the operator runs as in tests: the chart's ServiceAccount. A static token whose user name is
+the ServiceAccount's (system:serviceaccount:NS:NAME) is authorised by RBAC exactly like the ServiceAccount
+itself, with no token controller (there is none here)."""
+
+
 @dataclass(frozen=True)
 class ApiServer:
     url: str
     token: str
     ca_file: Path
     kubeconfig: Path
+    """Admin (system:masters): the test's own identity."""
+    operator_kubeconfig: Path
+    """The operator's ServiceAccount: only what RBAC grants it."""
 
 
 def _free_port() -> int:
@@ -82,6 +91,14 @@ def _wait_ready(url: str, token: str, ca_file: Path, process: subprocess.Popen, 
     raise RuntimeError(f"kube-apiserver not ready within {timeout:.0f} s")
 
 
+def _kubeconfig(url: str, ca_file: Path, user: str, token: str) -> str:
+    return yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "envtest",
+        "clusters": [{"name": "envtest", "cluster": {"server": url, "certificate-authority": str(ca_file)}}],
+        "users": [{"name": user, "user": {"token": token}}],
+        "contexts": [{"name": "envtest", "context": {"cluster": "envtest", "user": user}}]})  # fmt: skip
+
+
 @contextmanager
 def running_apiserver() -> Iterator[ApiServer]:
     assets = _assets()
@@ -90,7 +107,12 @@ def running_apiserver() -> Iterator[ApiServer]:
     try:
         _certificates(directory)
         token = secrets.token_hex(16)
-        (directory / "tokens.csv").write_text(f"{token},admin,admin-uid,system:masters\n")
+        operator_token = secrets.token_hex(16)
+        operator_user = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SERVICE_ACCOUNT}"
+        (directory / "tokens.csv").write_text(
+            f"{token},admin,admin-uid,system:masters\n"
+            f'{operator_token},{operator_user},operator-uid,"system:serviceaccounts,system:authenticated"\n'
+        )
         client, peer, secure = _free_port(), _free_port(), _free_port()
         log = (directory / "etcd.log").open("w")
         processes.append(subprocess.Popen([
@@ -111,13 +133,10 @@ def running_apiserver() -> Iterator[ApiServer]:
         processes.append(apiserver)
         url, ca_file = f"https://127.0.0.1:{secure}", directory / "server.crt"
         _wait_ready(url, token, ca_file, apiserver)
-        kubeconfig = directory / "kubeconfig"
-        kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "envtest",
-            "clusters": [{"name": "envtest", "cluster": {"server": url, "certificate-authority": str(ca_file)}}],
-            "users": [{"name": "admin", "user": {"token": token}}],
-            "contexts": [{"name": "envtest", "context": {"cluster": "envtest", "user": "admin"}}]}))  # fmt: skip
-        yield ApiServer(url, token, ca_file, kubeconfig)
+        kubeconfig, operator_kubeconfig = directory / "kubeconfig", directory / "operator.kubeconfig"
+        kubeconfig.write_text(_kubeconfig(url, ca_file, "admin", token))
+        operator_kubeconfig.write_text(_kubeconfig(url, ca_file, OPERATOR_SERVICE_ACCOUNT, operator_token))
+        yield ApiServer(url, token, ca_file, kubeconfig, operator_kubeconfig)
     finally:
         for process in reversed(processes):
             process.terminate()

@@ -4,26 +4,17 @@ and `kubectl get` (the server-side table) shows the printer columns."""
 
 from __future__ import annotations
 
-import json
-import ssl
-import time
-import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-import yaml
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
-from memfit.api.crd import CRD_FILES
 from memfit.api.loading import load_documents
 from memfit.planner.search import plan_job
 from memfit_operator.status import memory_per_gpu, progress_display
 from tests.k8s.apiserver import ApiServer, running_apiserver
-
-ROOT = Path(__file__).parent.parent.parent
-GROUP, VERSION = "memfit.dev", "v1alpha1"
+from tests.k8s.cluster import GROUP, ROOT, VERSION, example, install_crds, server_table
 
 
 @pytest.fixture(scope="module")
@@ -35,24 +26,9 @@ def server() -> Iterator[ApiServer]:
 @pytest.fixture(scope="module")
 def api(server: ApiServer) -> client.ApiClient:
     api_client = config.new_client_from_config(str(server.kubeconfig))
-    extensions = client.ApiextensionsV1Api(api_client)
-    for name in CRD_FILES:
-        extensions.create_custom_resource_definition(yaml.safe_load((ROOT / "crds" / name).read_text()))
-    deadline = time.monotonic() + 60
-    for name in ("finetunejobs.memfit.dev", "gpupools.memfit.dev"):
-        while True:
-            conditions = extensions.read_custom_resource_definition(name).status.conditions or []
-            if any(c.type == "Established" and c.status == "True" for c in conditions):
-                break
-            assert time.monotonic() < deadline, f"{name} not established"
-            time.sleep(0.2)
-    time.sleep(1)  # discovery catches up
+    install_crds(api_client)
     client.CoreV1Api(api_client).create_namespace({"metadata": {"name": "research"}})
     return api_client
-
-
-def example(name: str) -> list[dict]:
-    return [d for d in yaml.safe_load_all((ROOT / "examples" / name).read_text()) if d]
 
 
 def test_examples_are_accepted_with_defaults(api: client.ApiClient) -> None:
@@ -85,15 +61,6 @@ def test_the_schema_refuses_bad_objects(api: client.ApiClient, change, field: st
     assert refused.value.status == 422 and field in refused.value.body
 
 
-def _table(server: ApiServer, path: str) -> dict:
-    request = urllib.request.Request(
-        f"{server.url}{path}",
-        headers={"Authorization": f"Bearer {server.token}", "Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"},
-    )
-    with urllib.request.urlopen(request, context=ssl.create_default_context(cafile=str(server.ca_file))) as response:
-        return json.load(response)
-
-
 def test_planner_status_survives_pruning_and_shows_in_kubectl_get(api: client.ApiClient, server: ApiServer) -> None:
     objects = client.CustomObjectsApi(api)
     job = example("llama-3.1-8b-lora.yaml")[0]
@@ -124,7 +91,7 @@ def test_planner_status_survives_pruning_and_shows_in_kubectl_get(api: client.Ap
         GROUP, VERSION, "research", "finetunejobs", "with-status", {"status": status}
     )
     assert written["status"]["plan"] == plan.to_api()  # nothing pruned: the schema holds every field
-    table = _table(server, f"/apis/{GROUP}/{VERSION}/namespaces/research/finetunejobs/with-status")
+    table = server_table(server, f"/apis/{GROUP}/{VERSION}/namespaces/research/finetunejobs/with-status")
     columns = [c["name"] for c in table["columnDefinitions"]]
     assert columns[:8] == ["Name", "Status", "Method", "ZeRO", "GPUs", "Mem/GPU", "Progress", "Age"]
     cells = table["rows"][0]["cells"]

@@ -69,8 +69,8 @@ def scrape(metrics: TrainerMetrics) -> tuple[str, Samples]:
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:
-    """The one sample of ``name`` whose labels include ``labels`` (job and rank 0 by default)."""
-    wanted = {"job": JOB, "rank": "0", **labels}.items()
+    """The one sample of ``name`` whose labels include ``labels`` (finetunejob and rank 0 by default)."""
+    wanted = {"finetunejob": JOB, "rank": "0", **labels}.items()
     found = [v for (n, ls), v in samples.items() if n == name and wanted <= dict(ls).items()]
     assert len(found) == 1, f"{name}{dict(wanted)}: {len(found)} samples"
     return found[0]

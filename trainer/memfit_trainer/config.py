@@ -142,8 +142,20 @@ class TrainerConfig(ApiModel):
         )
 
     @property
+    def layout(self) -> dict[str, Any]:
+        """What decides how DeepSpeed shards a checkpoint: a run of another layout cannot load it directly."""
+        zero = self.deepspeed.get("zero_optimization", {}).get("stage", 0)
+        return {"method": self.training.method, "precision": self.training.precision, "zeroStage": zero,
+                "worldSize": self.world_size}  # fmt: skip
+
+    @property
     def checkpoint_dir(self) -> Path:
-        return Path(self.output_dir) / "checkpoints"
+        """One directory per layout: after a re-plan to another layout (say ZeRO-2 to ZeRO-3 after an
+        out-of-memory failure) the run starts from the weights instead of failing on shards it cannot
+        load, and a later return to the first layout resumes its checkpoints."""
+        layout = self.layout
+        name = f"{layout['method']}-{layout['precision']}-zero{layout['zeroStage']}-{layout['worldSize']}ranks"
+        return Path(self.output_dir) / "checkpoints" / name
 
     @property
     def final_dir(self) -> Path:

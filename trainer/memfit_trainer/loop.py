@@ -79,13 +79,6 @@ def _latest_step(manager: CheckpointManager, rank: int) -> int | None:
     return found[0]
 
 
-def checkpoint_layout(config: TrainerConfig, world_size: int) -> dict[str, Any]:
-    """What decides how DeepSpeed shards a checkpoint: another layout cannot load it directly."""
-    zero = config.deepspeed.get("zero_optimization", {}).get("stage", 0)
-    return {"method": config.training.method, "precision": config.training.precision, "zeroStage": zero,
-            "worldSize": world_size}  # fmt: skip
-
-
 def _check_layout(manager: CheckpointManager, step: int, layout: dict[str, Any]) -> None:
     """Refuse, before any model is built, a checkpoint another layout wrote (DeepSpeed would fail deep
     inside its loader with a missing shard file)."""
@@ -147,7 +140,7 @@ def train(config: TrainerConfig, ranks: Ranks, metrics: TrainerMetrics, guard: O
     """
     training = config.training
     lora = training.method in ("lora", "qlora")
-    layout = checkpoint_layout(config, ranks.world_size)
+    layout = config.layout
     manager = CheckpointManager(config.checkpoint_dir)
     if ranks.rank == 0:
         config.checkpoint_dir.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """Prometheus metrics of one trainer rank, with the plan's predictions beside the measurements.
 
 Every rank serves ``/metrics`` on ``metrics.port + local_rank`` from a registry of its own (nothing else
-in the process leaks into it). All series carry ``job`` (namespace/name) and ``rank``:
+in the process leaks into it). All series carry ``finetunejob`` (namespace/name) and ``rank``:
 
 * training: ``memfit_train_step``, ``memfit_train_loss``, ``memfit_train_learning_rate``,
   ``memfit_train_tokens_per_second`` (this rank, recent steps), ``memfit_train_step_duration_seconds``
@@ -36,7 +36,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from memfit.model_shape import ModelShape
 from memfit_trainer.config import TrainerConfig
-from memfit_trainer.progress import Progress, write_progress
+from memfit_trainer.progress import (
+    CHECKPOINT_STEP_METRIC,
+    ETA_METRIC,
+    STEP_METRIC,
+    TOKENS_PER_SECOND_METRIC,
+    TOTAL_STEPS_METRIC,
+    Progress,
+    write_progress,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +54,8 @@ STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 """Optimizer-step seconds: a small LoRA step on one GPU up to a ZeRO-3 step with NVMe offload."""
 CHECKPOINT_BUCKETS = (1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600)
 """Checkpoint seconds: an adapter in a second up to a large model with optimizer states on a slow volume."""
-LABELS = ("job", "rank")
+LABELS = ("finetunejob", "rank")
+"""`finetunejob` is namespace/name; not `job`, which Prometheus reserves for the scrape job."""
 
 
 def model_flops_per_token(shape: ModelShape, sequence_length: int, method: str) -> float:
@@ -86,11 +95,11 @@ class TrainerMetrics:
         self._last_checkpoint_step: int | None = None
         self._last_checkpoint_seconds = 0.0
 
-        self._step_gauge = self._gauge("memfit_train_step", "Optimizer steps completed (the last finished step).")
+        self._step_gauge = self._gauge(STEP_METRIC, "Optimizer steps completed (the last finished step).")
         self._loss_gauge = self._gauge("memfit_train_loss", "Training loss of the last optimizer step.")
         self._lr_gauge = self._gauge("memfit_train_learning_rate", "Learning rate of the last optimizer step.")
         self._tps_gauge = self._gauge(
-            "memfit_train_tokens_per_second",
+            TOKENS_PER_SECOND_METRIC,
             f"Tokens this rank trained per second over its last {RATE_WINDOW_STEPS} optimizer steps "
             "(sum over ranks for the job).",
         )
@@ -168,18 +177,18 @@ class TrainerMetrics:
             "memfit_checkpoint_duration_seconds", "Wall time of one checkpoint save on this rank.", LABELS,
             buckets=CHECKPOINT_BUCKETS, registry=self.registry,
         ).labels(*self._labels)  # fmt: skip
-        self._checkpoint_step_gauge = self._gauge("memfit_checkpoint_last_step", "Step of the last checkpoint saved.")
+        self._checkpoint_step_gauge = self._gauge(CHECKPOINT_STEP_METRIC, "Step of the last checkpoint saved.")
         self._checkpoint_time_gauge = self._gauge(
             "memfit_checkpoint_last_timestamp_seconds", "Unix time the last checkpoint save finished."
         )
 
         if rank == 0:
-            self._total_gauge = self._gauge("memfit_train_total_steps", "Optimizer steps the whole run takes.")
+            self._total_gauge = self._gauge(TOTAL_STEPS_METRIC, "Optimizer steps the whole run takes.")
             self._ratio_gauge = self._gauge(
                 "memfit_train_progress_ratio", "Share of the run's optimizer steps completed (0 to 1)."
             )
             self._eta_gauge = self._gauge(
-                "memfit_train_eta_seconds",
+                ETA_METRIC,
                 "Estimated seconds until the last step: remaining steps and checkpoints at the recent pace.",
             )
         if self._progress_file is not None:

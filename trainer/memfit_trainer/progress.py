@@ -35,6 +35,13 @@ from pydantic import AwareDatetime, Field, NonNegativeFloat, NonNegativeInt
 
 from memfit.api.base import ApiModel
 
+STEP_METRIC = "memfit_train_step"
+TOTAL_STEPS_METRIC = "memfit_train_total_steps"
+ETA_METRIC = "memfit_train_eta_seconds"
+TOKENS_PER_SECOND_METRIC = "memfit_train_tokens_per_second"
+CHECKPOINT_STEP_METRIC = "memfit_checkpoint_last_step"
+"""The series of rank 0's /metrics the operator reads progress from (memfit_operator.progress)."""
+
 
 class Progress(ApiModel):
     """Where a training run is: rank 0's view after its last step."""

@@ -119,6 +119,16 @@ def _column(name: str, path: str, kind: str = "string", description: str = "", p
     return column
 
 
+def _immutable_spec() -> dict[str, str]:
+    """A CEL transition rule (Kubernetes 1.25+; older API servers drop it, and the operator reports and ignores
+    the change instead): every spec field but `suspend` keeps its value."""
+    fields = [field.alias or name for name, field in FineTuneJobSpec.model_fields.items() if name != "suspend"]
+    return {
+        "rule": " && ".join(f"self.{name} == oldSelf.{name}" for name in fields),
+        "message": "the spec of a FineTuneJob is immutable except spec.suspend: delete the job and create a new one",
+    }
+
+
 def finetunejob_crd() -> dict[str, Any]:
     schema = {
         "type": "object",
@@ -127,7 +137,10 @@ def finetunejob_crd() -> dict[str, Any]:
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},
             "metadata": {"type": "object"},
-            "spec": _object_schema(FineTuneJobSpec, "The desired job."),
+            "spec": {
+                **_object_schema(FineTuneJobSpec, "The desired job."),
+                "x-kubernetes-validations": [_immutable_spec()],
+            },
             "status": without_defaults(_object_schema(FineTuneJobStatus, "Observed state, written by the operator.")),
         },
         "required": ["spec"],

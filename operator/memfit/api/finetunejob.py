@@ -386,6 +386,9 @@ class FineTuneJobStatus(ApiModel):
     """Out-of-memory re-plans used (of spec.maxReplans)."""
     excluded_strategies: list[str] = Field(default_factory=list)
     """Strategies ruled out after they ran out of memory (the planner skips them)."""
+    launched_spec: FineTuneJobSpec | None = None
+    """The spec as it was at the first launch. The spec is immutable from then on except `suspend`:
+    restarts and re-plans use this copy, and a changed spec is reported (condition Ready) and ignored."""
 
 
 class FineTuneJob(ApiModel):

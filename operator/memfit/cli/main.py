@@ -33,6 +33,26 @@ def _crd(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _operator(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from memfit_operator.main import run_operator
+    from memfit_operator.settings import OperatorSettings
+
+    flags = {
+        "namespace": args.namespace,
+        "trainer_image": args.trainer_image,
+        "standalone": args.standalone or None,
+        "peering": args.peering,
+        "metrics_port": args.metrics_port,
+        "health_port": args.health_port,
+    }
+    settings = replace(OperatorSettings.from_environment(), **{k: v for k, v in flags.items() if v is not None})
+    ports = {"metrics_port": settings.metrics_port or None, "health_port": settings.health_port or None}
+    run_operator(replace(settings, **ports))
+    return EXIT_OK
+
+
 def _presets(args: argparse.Namespace) -> int:
     from memfit.cli.catalog_command import print_catalog
 
@@ -76,6 +96,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     crd = commands.add_parser("crd", help="print the CustomResourceDefinitions generated from the API models")
     crd.set_defaults(handler=_crd)
+
+    operator = commands.add_parser(
+        "operator", help="run the Kubernetes operator (kubeconfig, or in-cluster credentials in a pod)"
+    )
+    operator.add_argument("--namespace", "-n", help="serve only this namespace (default: all namespaces)")
+    operator.add_argument("--trainer-image", help="image of the trainer pods (env MEMFIT_TRAINER_IMAGE)")
+    operator.add_argument("--standalone", action="store_true", help="no peering: a single replica")
+    operator.add_argument("--peering", help="(Cluster)KopfPeering the replicas coordinate through (default memfit)")
+    operator.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 8080; 0 turns it off)")
+    operator.add_argument("--health-port", type=int, help="/healthz port for probes (default 8081; 0 turns it off)")
+    operator.set_defaults(handler=_operator)
 
     presets = commands.add_parser("presets", help="list the built-in model presets and GPU products")
     presets.set_defaults(handler=_presets)

@@ -231,7 +231,9 @@ def _search_pool(search: _Search, capacity: PoolCapacity, method: str) -> None:
                         gradient_checkpointing=ckpt, micro_batch_size=1, gradient_accumulation_steps=1,
                         precision=precision, optimizer=spec.training.optimizer.value, attention=attention,
                     )  # fmt: skip
-                    micro = _largest_fitting_micro_batch(search, capacity, limit, template, micro_batches)
+                    micro = _largest_fitting_micro_batch(
+                        search, capacity, limit, template, micro_batches, per_gpu_batch
+                    )
                     if micro is not None:
                         fitted[(stage, opt, params, ckpt)] = micro
 
@@ -248,12 +250,17 @@ def _dominated(fitted: dict[tuple[int, str, str, bool], int], stage: int, opt: s
 
 
 def _largest_fitting_micro_batch(
-    search: _Search, capacity: PoolCapacity, limit: int, template: Strategy, micro_batches: list[int]
+    search: _Search,
+    capacity: PoolCapacity,
+    limit: int,
+    template: Strategy,
+    micro_batches: list[int],
+    per_gpu_batch: int,
 ) -> int | None:
-    """Find the largest micro-batch that fits and record it (returning it), or the nearest miss."""
+    """Find the largest micro-batch that fits and record it (returning it), or the nearest miss.
+    ``per_gpu_batch`` (sequences per GPU per optimizer step) sets the accumulation of each micro-batch."""
     static = search.static_memory(template)
     trainable = static.trainable
-    per_gpu_batch = micro_batches[0] * template.gradient_accumulation_steps
 
     def attempt(micro: int) -> _Evaluated:
         accumulation = per_gpu_batch // micro

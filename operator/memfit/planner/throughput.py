@@ -36,7 +36,8 @@ def _training_flops_per_token(shape: ModelShape, strategy: Strategy, sequence_le
     return forward + backward + recompute
 
 
-def _peak_flops(pool: PoolCapacity, precision: str) -> float:
+def peak_flops(pool: PoolCapacity, precision: str) -> float:
+    """Dense peak FLOP/s of one GPU of the pool in ``precision`` (catalog or pool spec: not measured)."""
     if precision == "bf16" and pool.peak_flops_bf16:
         return pool.peak_flops_bf16
     if precision == "fp32":
@@ -99,7 +100,7 @@ def estimate_throughput(
     micro_tokens = strategy.micro_batch_size * sequence_length
     efficiency = PEAK_EFFICIENCY * micro_tokens / (micro_tokens + HALF_EFFICIENCY_TOKENS)
     flops = _training_flops_per_token(shape, strategy, sequence_length) * micro_tokens
-    micro_seconds = flops / (_peak_flops(pool, strategy.precision) * efficiency)
+    micro_seconds = flops / (peak_flops(pool, strategy.precision) * efficiency)
     if strategy.method == "qlora":
         micro_seconds *= QLORA_SLOWDOWN
     compute = micro_seconds * strategy.gradient_accumulation_steps

@@ -1,0 +1,61 @@
+"""Re-planning after a strategy ran out of memory: the next leaner plan, not merely the next fastest.
+
+An out-of-memory failure says the estimate of the failed plan was short on that GPU. Excluding only that
+exact strategy would let the planner pick a sibling with the same footprint (another pool, another GPU
+count) that fails the same way, so the re-plan also asks for more headroom: enough that a plan estimated
+like the failed one no longer fits, with LEANER_BY to spare. The order the issue of the operator names
+falls out of the planner's ranking under that tighter limit: first what keeps the checkpoint layout
+(gradient checkpointing, a smaller micro-batch, offload: the same method, precision, ZeRO stage and GPU
+count, so the run resumes from its checkpoint), then anything else that fits (a higher ZeRO stage, other
+GPU counts, and a lighter method only when the spec says `auto`), which restarts from the weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+from memfit.api.finetunejob import FineTuneJobSpec, Method, Precision
+from memfit.api.gpupool import GPUPool
+from memfit.api.plan import PlanCandidate, PlanResult
+from memfit.planner.search import plan_job
+
+LEANER_BY = 0.10
+"""A re-plan's estimated per-GPU memory must be at least this share below the failed plan's estimate
+(on a GPU of another size: the same share of that GPU's memory as the failed plan used, less this)."""
+MAX_HEADROOM_PERCENT = 89.0
+"""The API's bound on memoryHeadroomPercent (below 90)."""
+
+
+def checkpoint_layout(plan: PlanCandidate) -> tuple[str, str, int, int]:
+    """What decides whether a checkpoint loads under another plan (the trainer's TrainerConfig.layout)."""
+    strategy = plan.strategy
+    return strategy.method, strategy.precision, strategy.zero_stage, strategy.gpus
+
+
+def leaner_headroom_percent(spec: FineTuneJobSpec, failed: PlanCandidate) -> float:
+    """Headroom under which the failed plan's estimate no longer fits, with LEANER_BY to spare."""
+    used = failed.memory.per_gpu.total / failed.gpu_memory_bytes
+    wanted = 100.0 * (1.0 - used * (1.0 - LEANER_BY))
+    return min(MAX_HEADROOM_PERCENT, max(spec.resources.memory_headroom_percent, wanted))
+
+
+def replan_after_oom(
+    spec: FineTuneJobSpec, pools: Sequence[GPUPool], failed: PlanCandidate, excluded: Collection[str]
+) -> tuple[PlanResult, bool]:
+    """The leaner plan after ``failed`` ran out of memory, and whether it keeps the checkpoint layout."""
+    resources = spec.resources.model_copy(update={"memory_headroom_percent": leaner_headroom_percent(spec, failed)})
+    leaner = spec.model_copy(update={"resources": resources})
+    strategy = failed.strategy
+    same_layout = leaner.model_copy(
+        update={
+            "method": Method(strategy.method),
+            "training": leaner.training.model_copy(update={"precision": Precision(strategy.precision)}),
+            "strategy": leaner.strategy.model_copy(update={"zero_stage": strategy.zero_stage}),
+            "resources": resources.model_copy(update={"pool": strategy.pool, "max_gpus": strategy.gpus}),
+        }
+    )
+    kept = plan_job(same_layout, pools, exclude=excluded)
+    if kept.chosen is not None and checkpoint_layout(kept.chosen) == checkpoint_layout(failed):
+        return kept, True
+    result = plan_job(leaner, pools, exclude=excluded)
+    return result, result.chosen is not None and checkpoint_layout(result.chosen) == checkpoint_layout(failed)

@@ -1,0 +1,65 @@
+"""Typed calls to the API server, each idempotent: creating what exists and deleting what is gone are
+no-ops, so a reconcile pass can always be repeated. Synchronous (the official client); the handlers run
+them in worker threads."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+from kubernetes.config.config_exception import ConfigException
+
+from memfit.api.base import API_VERSION
+
+GROUP, VERSION = API_VERSION.split("/")
+JOBS = "finetunejobs"
+
+
+def load_credentials() -> client.ApiClient:
+    """In-cluster credentials in a pod, else the kubeconfig (KUBECONFIG or ~/.kube/config)."""
+    try:
+        config.load_incluster_config()
+    except ConfigException:
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))  # read now, not at import
+    return client.ApiClient()
+
+
+class ClusterApi:
+    def __init__(self, api: client.ApiClient) -> None:
+        self.core = client.CoreV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
+
+    def patch_job_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> dict[str, Any]:
+        """Merge-patch ``status`` (keys set to None are removed) through the status subresource."""
+        return self.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, namespace, JOBS, name, {"status": dict(status)}
+        )
+
+    def create(self, manifest: Mapping[str, Any]) -> bool:
+        """Create a Pod, ConfigMap or Service; False when it already exists."""
+        namespace = manifest["metadata"]["namespace"]
+        creators = {
+            "Pod": self.core.create_namespaced_pod,
+            "ConfigMap": self.core.create_namespaced_config_map,
+            "Service": self.core.create_namespaced_service,
+        }
+        try:
+            creators[manifest["kind"]](namespace, dict(manifest))
+        except ApiException as error:
+            if error.status == 409:
+                return False
+            raise
+        return True
+
+    def delete_pod(self, namespace: str, name: str) -> bool:
+        """False when the pod was already gone."""
+        try:
+            self.core.delete_namespaced_pod(name, namespace)
+        except ApiException as error:
+            if error.status == 404:
+                return False
+            raise
+        return True

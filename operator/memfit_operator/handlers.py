@@ -1,0 +1,241 @@
+"""kopf wiring: watch FineTuneJobs, their pods and the GPUPools; run ``reconcile`` per job; apply.
+
+Each FineTuneJob gets one daemon (a coroutine kopf starts when the job appears, including every job that
+exists when the operator starts, and stops when the job goes). The daemon reconciles its job at least
+every ``resync_seconds`` and at once when the job or one of its pods changes. Pods and pools come from kopf
+indexes (in-memory, fed by watches: no API call per pass). One daemon per job means one writer per job, so
+passes over a job never race; with two replicas, kopf peering keeps one of them active.
+
+Status is written before children are created (see memfit_operator.reconcile), and a pass skips the write
+when nothing changed, so an idle job costs no API calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+import aiohttp
+import kopf
+
+from memfit.api.finetunejob import FineTuneJobStatus, Phase, Progress
+from memfit.api.gpupool import GPUPool
+from memfit.api.loading import describe_validation_error
+from memfit_operator.cluster_api import GROUP, JOBS, VERSION, ClusterApi, load_credentials
+from memfit_operator.metrics import OperatorMetrics
+from memfit_operator.objects import ATTEMPT_LABEL, JOB_LABEL, RANK_LABEL
+from memfit_operator.progress import fetch_progress, rank0_address
+from memfit_operator.reconcile import ACTIVE, Decision, Observation, reconcile
+from memfit_operator.settings import OperatorSettings
+
+MANAGED_BY = "app.kubernetes.io/managed-by=memfit"
+WAKEUP_HANDLERS = ("'pod_changed'", "'job_changed'")
+log = logging.getLogger("memfit.operator")
+
+
+class Runtime:
+    """What the handlers share in one operator process (kept in kopf's memo)."""
+
+    def __init__(self, settings: OperatorSettings) -> None:
+        self.settings = settings
+        self.metrics = OperatorMetrics()
+        self.cluster = ClusterApi(load_credentials())
+        self.http: aiohttp.ClientSession | None = None
+        self._wakeups: dict[tuple[str, str], asyncio.Event] = {}
+
+    def wakeup(self, namespace: str, name: str) -> asyncio.Event:
+        return self._wakeups.setdefault((namespace, name), asyncio.Event())
+
+    def wake(self, namespace: str | None, name: str | None) -> None:
+        event = self._wakeups.get((namespace or "", name or ""))
+        if event is not None:
+            event.set()
+
+    def forget(self, namespace: str, name: str) -> None:
+        self._wakeups.pop((namespace, name), None)
+
+
+def _plain(value: Any) -> Any:
+    """kopf's body views as plain dicts and lists (the pure core takes plain data)."""
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    return value
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    operator_settings: OperatorSettings = memo.get("settings") or OperatorSettings.from_environment()
+    runtime = Runtime(operator_settings)
+    memo["runtime"] = runtime
+    runtime.http = aiohttp.ClientSession()
+    if operator_settings.metrics_port:
+        runtime.metrics.serve(operator_settings.metrics_port)
+    settings.persistence.finalizer = "memfit.dev/operator"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="memfit.dev")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="memfit.dev")
+    settings.posting.reporting_component = "memfit-operator"
+    settings.watching.label_selectors["v1", "pods"] = MANAGED_BY  # the server filters: no cluster-wide pod stream
+
+
+@kopf.on.cleanup()
+async def close(memo: kopf.Memo, **_: Any) -> None:
+    runtime: Runtime | None = memo.get("runtime")
+    if runtime is not None and runtime.http is not None:
+        await runtime.http.close()
+
+
+@kopf.index("", "v1", "pods", labels={"app.kubernetes.io/managed-by": "memfit"})
+def trainer_pods(namespace: str, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    """Pods by (namespace, job name): the parts the reconciler reads."""
+    job = labels.get(JOB_LABEL)
+    if job is None:
+        return {}
+    pod = {"metadata": {"name": body.metadata.name, "labels": dict(labels)}, "status": _plain(body.get("status", {}))}
+    return {(namespace, job): pod}
+
+
+@kopf.index(GROUP, VERSION, "gpupools")
+def gpu_pools(name: str, body: kopf.Body, logger: logging.Logger, **_: Any) -> dict[Any, Any]:
+    """Every valid GPUPool under one key; an invalid one is left out with a log line (the API server's schema
+    already refuses most mistakes, so this is the cross-field checks)."""
+    try:
+        pool = GPUPool.model_validate({k: _plain(body[k]) for k in ("apiVersion", "kind", "metadata", "spec")})
+    except (ValueError, KeyError) as error:
+        message = describe_validation_error(error) if hasattr(error, "errors") else str(error)
+        logger.warning(f"GPUPool {name} is ignored: {message}")
+        return {}
+    return {None: pool}
+
+
+@kopf.on.event("", "v1", "pods", labels={"app.kubernetes.io/managed-by": "memfit"})
+def pod_changed(namespace: str, labels: Mapping[str, str], memo: kopf.Memo, **_: Any) -> None:
+    runtime: Runtime | None = memo.get("runtime")
+    if runtime is not None:
+        runtime.wake(namespace, labels.get(JOB_LABEL))
+
+
+@kopf.on.event(GROUP, VERSION, JOBS)
+def job_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    runtime: Runtime | None = memo.get("runtime")
+    if runtime is not None:
+        runtime.wake(namespace, name)
+
+
+class JobFollower:
+    """The state one job's daemon keeps between passes."""
+
+    def __init__(self, runtime: Runtime, namespace: str, name: str) -> None:
+        self.runtime, self.namespace, self.name = runtime, namespace, name
+        self.key = f"{namespace}/{name}"
+        self.written: dict[str, Any] | None = None
+        """The status as this daemon last wrote it: newer than the watched body until the watch catches up."""
+        self.progress: Progress | None = None
+        self.progress_read_at = 0.0
+
+    async def pass_once(self, body: kopf.Body, pods: list[dict[str, Any]], pools: list[GPUPool]) -> None:
+        job = {key: _plain(body.get(key)) for key in ("apiVersion", "kind", "metadata", "spec")}
+        job["status"] = self.written if self.written is not None else _plain(body.get("status") or {})
+        status = FineTuneJobStatus.model_validate(job["status"] or {})
+        await self._read_progress(status, pods)
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        decision = reconcile(Observation(job, pods, pools, self.progress, now), self.runtime.settings.trainer_image)
+        self.progress = None
+        await self._apply(body, job["status"] or {}, decision)
+
+    async def _read_progress(self, status: FineTuneJobStatus, pods: list[dict[str, Any]]) -> None:
+        """Read rank 0's progress at most every progress_seconds, while the job runs."""
+        settings, runtime = self.runtime.settings, self.runtime
+        if status.phase is not Phase.RUNNING or status.plan is None or not status.attempts or runtime.http is None:
+            return
+        if time.monotonic() - self.progress_read_at < settings.progress_seconds:
+            return
+        self.progress_read_at = time.monotonic()
+        current = str(status.attempts[-1].number)
+        attempt_pods = [p for p in pods if p["metadata"]["labels"].get(ATTEMPT_LABEL) == current]
+        address = rank0_address(attempt_pods, RANK_LABEL)
+        if address is not None:
+            port, world = settings.trainer_metrics_port, status.plan.strategy.gpus
+            self.progress = await fetch_progress(runtime.http, address, port, world)
+
+    async def _apply(self, body: kopf.Body, before: dict[str, Any], decision: Decision) -> None:
+        cluster, metrics = self.runtime.cluster, self.runtime.metrics
+        after = decision.status.to_api()
+        if after != before:
+            patch = {key: None for key in before if key not in after} | after
+            await asyncio.to_thread(cluster.patch_job_status, self.namespace, self.name, patch)
+            self.written = after
+        for pod in decision.delete:
+            await asyncio.to_thread(cluster.delete_pod, self.namespace, pod)
+        for manifest in decision.create:
+            await asyncio.to_thread(cluster.create, manifest)
+        for event in decision.events:
+            kopf.event(body, type=event.type, reason=event.reason, message=event.message[:1000])
+        if decision.planned is not None:
+            metrics.plan_adopted(decision.planned)
+        if decision.restarted:
+            metrics.restarts.inc()
+        if decision.replanned_after_oom:
+            metrics.oom_replans.inc()
+        metrics.job_status(self.key, decision.status)
+
+
+@kopf.daemon(GROUP, VERSION, JOBS, cancellation_timeout=5.0)
+async def follow_job(
+    namespace: str,
+    name: str,
+    body: kopf.Body,
+    stopped: kopf.DaemonStopped,
+    memo: kopf.Memo,
+    trainer_pods: kopf.Index,
+    gpu_pools: kopf.Index,
+    logger: logging.Logger,
+    **_: Any,
+) -> None:
+    runtime: Runtime = memo["runtime"]
+    follower = JobFollower(runtime, namespace, name)
+    wakeup = runtime.wakeup(namespace, name)
+    try:
+        while not stopped:
+            wakeup.clear()
+            started = time.monotonic()
+            try:
+                pods = list(trainer_pods.get((namespace, name), []))
+                pools = list(gpu_pools.get(None, []))
+                await follower.pass_once(body, pods, pools)
+            except Exception:  # one bad pass must not end the job's daemon: log, count, retry next pass
+                runtime.metrics.handler_errors.labels("follow_job").inc()
+                logger.exception("reconcile pass failed; retrying")
+            finally:
+                runtime.metrics.reconcile_seconds.observe(time.monotonic() - started)
+            await _sleep(wakeup, stopped, _interval(runtime, follower))
+    finally:
+        runtime.forget(namespace, name)
+        runtime.metrics.job_gone(follower.key)
+
+
+def _interval(runtime: Runtime, follower: JobFollower) -> float:
+    """Wake sooner while running so progress stays fresh; the resync period otherwise."""
+    phase = (follower.written or {}).get("phase")
+    settings = runtime.settings
+    if phase in {p.value for p in ACTIVE}:
+        return min(settings.resync_seconds, settings.progress_seconds)
+    return settings.resync_seconds
+
+
+async def _sleep(wakeup: asyncio.Event, stopped: kopf.DaemonStopped, seconds: float) -> None:
+    """Until a job or pod event, the interval, or the daemon being stopped, whichever comes first."""
+    deadline = time.monotonic() + seconds
+    while not stopped and not wakeup.is_set():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        try:
+            await asyncio.wait_for(wakeup.wait(), timeout=min(left, 1.0))
+        except TimeoutError:
+            continue

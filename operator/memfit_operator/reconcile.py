@@ -1,0 +1,416 @@
+"""What the operator does about one FineTuneJob, decided from what it observes: a pure function.
+
+``reconcile`` takes the job as the API server returns it, the job's pods, the GPU pools and the last
+progress read from rank 0, and returns the status to write, the objects to create, the pods to delete and
+the Events to post. The kopf handlers observe and apply (handlers.py); nothing here talks to a cluster.
+Every action is idempotent by name (creating an existing object or deleting a missing pod is a no-op),
+and the status is written before the objects exist, so running ``reconcile`` again on the same or a
+later observation (a second loop, an operator restarted half-way) never duplicates anything.
+
+Phases: Pending -> (Invalid | Unschedulable | Launching) -> Running -> Succeeded, with Restarting after a
+failed rank (gang restart, bounded by spec.maxRestarts), a re-plan after an out-of-memory failure
+(bounded by spec.maxReplans), Suspended while spec.suspend is true, and Failed when a bound is spent.
+Succeeded and Failed are terminal: nothing afterwards (operator restarts, deleted children) changes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import ValidationError
+
+from memfit.api.finetunejob import Attempt, FineTuneJob, FineTuneJobSpec, FineTuneJobStatus, Phase, Progress
+from memfit.api.gpupool import GPUPool, pool_capacity
+from memfit.api.loading import describe_validation_error
+from memfit.api.plan import PlanCandidate
+from memfit.planner.replan import checkpoint_layout, replan_after_oom
+from memfit.planner.search import PlanningError, plan_job
+from memfit.planner.throughput import peak_flops
+from memfit.render.trainer_config import render_trainer_config
+from memfit_operator.objects import ATTEMPT_LABEL, attempt_objects, pod_name
+from memfit_operator.status import (
+    PodOutcome,
+    gang_state,
+    memory_per_gpu,
+    progress_display,
+    report_pod,
+    set_condition,
+)
+
+TERMINAL = (Phase.SUCCEEDED, Phase.FAILED)
+ACTIVE = (Phase.LAUNCHING, Phase.RUNNING, Phase.RESTARTING)
+"""Phases with an attempt's pods in the cluster."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """A Kubernetes Event to post on the job."""
+
+    type: Literal["Normal", "Warning"]
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Observation:
+    """Everything ``reconcile`` looks at."""
+
+    job: Mapping[str, Any]
+    """The FineTuneJob as the API server returns it (metadata with uid and generation, spec, status)."""
+    pods: Sequence[Mapping[str, Any]]
+    """The job's pods, of any attempt."""
+    pools: Sequence[GPUPool]
+    progress: Progress | None
+    """Training progress read from the current attempt's rank 0 (None when nothing was read)."""
+    now: str
+    """RFC 3339 time of the observation."""
+
+
+@dataclass
+class Decision:
+    """What to do: write ``status``, create ``create`` (409 is fine), delete the pods ``delete``."""
+
+    status: FineTuneJobStatus
+    create: list[dict[str, Any]] = field(default_factory=list)
+    delete: list[str] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    planned: PlanCandidate | None = None
+    """A plan made in this pass (for the operator's metrics)."""
+    restarted: bool = False
+    replanned_after_oom: bool = False
+
+
+class _Pass:
+    """One reconcile pass over a job: the draft decision and the helpers that fill it."""
+
+    def __init__(self, observation: Observation, image: str) -> None:
+        self.observation, self.image = observation, image
+        metadata = observation.job.get("metadata") or {}
+        self.generation: int | None = metadata.get("generation")
+        self.decision = Decision(status=_read_status(observation.job.get("status")))
+        self.previous_phase = self.decision.status.phase
+
+    @property
+    def status(self) -> FineTuneJobStatus:
+        return self.decision.status
+
+    def condition(self, type_: str, status: bool, reason: str, message: str) -> bool:
+        """Set a condition; True when it changed (status, reason or message)."""
+        before = next((c for c in self.status.conditions if c.type == type_), None)
+        self.status.conditions = set_condition(
+            self.status.conditions, type_, status, reason, message, self.generation, self.observation.now
+        )
+        return before is None or (before.status, before.reason, before.message) != (
+            {True: "True", False: "False"}[status], reason, message)  # fmt: skip
+
+    def event(self, type_: Literal["Normal", "Warning"], reason: str, message: str) -> None:
+        self.decision.events.append(Event(type_, reason, message))
+
+    def phase(self, phase: Phase) -> bool:
+        """Move to ``phase``; True when that is a change."""
+        changed = self.status.phase is not phase
+        self.status.phase = phase
+        return changed
+
+    def attempt_pods(self, attempt: Attempt | None) -> list[Mapping[str, Any]]:
+        if attempt is None:
+            return []
+        return [p for p in self.observation.pods if _attempt_of(p) == str(attempt.number)]
+
+    def delete_pods(self, pods: Sequence[Mapping[str, Any]]) -> None:
+        self.decision.delete.extend(p["metadata"]["name"] for p in pods)
+
+
+def _attempt_of(pod: Mapping[str, Any]) -> str | None:
+    return (pod.get("metadata", {}).get("labels") or {}).get(ATTEMPT_LABEL)
+
+
+def _read_status(raw: Mapping[str, Any] | None) -> FineTuneJobStatus:
+    """The status memfit wrote before (a fresh one for a new job)."""
+    return FineTuneJobStatus.model_validate(raw or {})
+
+
+def reconcile(observation: Observation, image: str) -> Decision:
+    """Decide what to do about one job (see the module docstring)."""
+    run = _Pass(observation, image)
+    status = run.status
+    if status.launched_spec is None and status.observed_generation != run.generation:
+        status.plan = None  # the spec changed before the first launch (e.g. created suspended): plan it anew
+    status.observed_generation = run.generation
+    if observation.progress is not None:
+        _record_progress(status, observation.progress)
+    current = status.attempts[-1] if status.attempts else None
+    if status.phase in TERMINAL:
+        # Terminal stays terminal; only make sure no rank of the last attempt keeps a GPU busy.
+        run.delete_pods([p for p in run.attempt_pods(current) if report_pod(p).outcome is PodOutcome.RUNNING])
+        return run.decision
+
+    job = _accepted_job(run)
+    if job is None:
+        return run.decision
+    if status.plan is None and not _plan(run, job):
+        return run.decision
+    assert status.plan is not None
+    _remove_stale_pods(run, current)
+    if job.spec.suspend:
+        _suspend(run, current)
+        return run.decision
+    if current is None or current.finished is not None:  # first launch, or resuming after a suspension
+        if status.phase is Phase.SUSPENDED:
+            run.condition("Suspended", False, "Resumed", "spec.suspend is false: resuming from the last checkpoint")
+            run.event("Normal", "Resumed", "spec.suspend is false: resuming from the last checkpoint")
+        _launch(run, job, status.plan, Phase.LAUNCHING, layout_kept=True)
+        return run.decision
+    _follow(run, job, status.plan, current)
+    return run.decision
+
+
+def _remove_stale_pods(run: _Pass, current: Attempt | None) -> None:
+    """Pods of any attempt but the current running one should not exist (an operator stopped between
+    recording a new attempt and deleting the old one's pods leaves them): delete them."""
+    keep = str(current.number) if current is not None and current.finished is None else None
+    run.delete_pods([p for p in run.observation.pods if _attempt_of(p) != keep])
+
+
+def _record_progress(status: FineTuneJobStatus, progress: Progress) -> None:
+    previous = status.progress
+    if previous is not None and progress.last_checkpoint_step is None:
+        progress = progress.model_copy(update={"last_checkpoint_step": previous.last_checkpoint_step})
+    status.progress = progress
+    status.progress_display = progress_display(progress.step, progress.total_steps)
+
+
+def _accepted_job(run: _Pass) -> FineTuneJob | None:
+    """The job to act on: the spec as validated, or after launch the launched spec (immutable but for
+    ``suspend``). None when there is nothing to act on (an invalid spec that never launched)."""
+    raw = run.observation.job
+    status = run.status
+    launched = status.launched_spec
+    try:
+        job = FineTuneJob.model_validate({k: raw[k] for k in ("apiVersion", "kind", "metadata", "spec") if k in raw})
+    except ValidationError as error:
+        message = describe_validation_error(error)
+        if launched is None:
+            changed = run.condition("Ready", False, "InvalidSpec", message)
+            run.phase(Phase.INVALID)
+            if changed:
+                run.event("Warning", "InvalidSpec", message)
+            return None
+        job = FineTuneJob.model_validate({"metadata": raw["metadata"], "spec": launched.to_api()})
+        _reject_change(run, f"the changed spec is invalid ({message})")
+        return _with_suspend(job, bool((raw.get("spec") or {}).get("suspend", False)))
+    if launched is None:
+        return job
+    changed = _changed_fields(launched, job.spec)
+    if changed:
+        _reject_change(run, f"{', '.join(changed)} changed after launch; only spec.suspend may change")
+    elif status.phase not in (Phase.INVALID, Phase.UNSCHEDULABLE):
+        run.condition("Ready", True, "SpecAccepted", "the spec is valid and planned")
+    return _with_suspend(job.model_copy(update={"spec": launched}), job.spec.suspend)
+
+
+def _with_suspend(job: FineTuneJob, suspend: bool) -> FineTuneJob:
+    return job.model_copy(update={"spec": job.spec.model_copy(update={"suspend": suspend})})
+
+
+def _changed_fields(launched: FineTuneJobSpec, spec: FineTuneJobSpec) -> list[str]:
+    before, after = launched.to_api(), spec.to_api()
+    keys = sorted((set(before) | set(after)) - {"suspend"})
+    return [f"spec.{key}" for key in keys if before.get(key) != after.get(key)]
+
+
+def _reject_change(run: _Pass, why: str) -> None:
+    message = (f"{why}. The job continues with the spec it was launched with; revert the change, or delete the "
+               "job and create a new one")  # fmt: skip
+    if run.condition("Ready", False, "SpecImmutable", message):
+        run.event("Warning", "SpecImmutable", message)
+
+
+def _plan(run: _Pass, job: FineTuneJob) -> bool:
+    """Plan a job that has no plan yet; False (and phase Unschedulable) when nothing fits."""
+    status = run.status
+    try:
+        result = plan_job(job.spec, run.observation.pools, exclude=status.excluded_strategies)
+    except PlanningError as error:
+        result, advice = None, str(error)
+    else:
+        advice = " ".join(result.advice) or "no strategy fits the declared GPUPools"
+    if result is None or result.chosen is None:
+        message = f"nothing fits: {advice}"
+        changed = run.condition("Planned", False, "Unschedulable", message)
+        run.condition("Ready", False, "Unschedulable", message)
+        run.phase(Phase.UNSCHEDULABLE)
+        if changed:
+            run.event("Warning", "Unschedulable", message)
+        return False
+    _adopt_plan(run, result.chosen)
+    run.condition("Ready", True, "SpecAccepted", "the spec is valid and planned")
+    run.event("Normal", "Planned", _plan_message(result.chosen))
+    return True
+
+
+def _plan_message(plan: PlanCandidate) -> str:
+    return f"{plan.strategy.summary()}; estimated {memory_per_gpu(plan)} per GPU (estimate, not measured)"
+
+
+def _adopt_plan(run: _Pass, plan: PlanCandidate) -> None:
+    status = run.status
+    status.plan, status.gpus, status.memory_per_gpu = plan, plan.strategy.gpus, memory_per_gpu(plan)
+    run.condition("Planned", True, "Planned", _plan_message(plan))
+    run.decision.planned = plan
+
+
+def _pool(run: _Pass, name: str) -> GPUPool | None:
+    return next((p for p in run.observation.pools if p.metadata.name == name), None)
+
+
+def _launch(run: _Pass, job: FineTuneJob, plan: PlanCandidate, phase: Phase, layout_kept: bool) -> None:
+    """Start a new attempt: record it in status first, then create its objects."""
+    status = run.status
+    pool = _pool(run, plan.strategy.pool)
+    if pool is None:  # the pool was deleted since planning: plan again on the next pass
+        status.plan = None
+        run.phase(Phase.PENDING)
+        run.event("Warning", "PoolGone", f"GPUPool {plan.strategy.pool!r} no longer exists; planning again")
+        return
+    resumed = status.progress.last_checkpoint_step if status.progress is not None and layout_kept else None
+    if status.progress is not None and not layout_kept:
+        status.progress = status.progress.model_copy(update={"last_checkpoint_step": None})
+    number = len(status.attempts) + 1
+    status.attempts.append(
+        Attempt(
+            number=number,
+            strategy_summary=plan.strategy.summary(),
+            started=run.observation.now,
+            resumed_from_step=resumed,
+        )  # fmt: skip
+    )
+    status.launched_spec = status.launched_spec or job.spec.model_copy(update={"suspend": False})
+    run.decision.create.extend(_attempt_objects(job, plan, pool, number, run.image))
+    run.phase(phase)
+    origin = f"from checkpoint step {resumed}" if resumed is not None else "from the model weights"
+    starting = f"attempt {number}: {plan.strategy.nodes} node rank(s) starting {origin}"
+    run.condition("Running", False, "Launching", starting)
+    run.event("Normal", "Launching", f"attempt {number} ({plan.strategy.summary()}), starting {origin}")
+
+
+def _suspend(run: _Pass, current: Attempt | None) -> None:
+    if current is not None and current.finished is None:
+        run.delete_pods(run.attempt_pods(current))
+        _finish(run, current, "Suspended", "spec.suspend is true")
+    message = "spec.suspend is true: pods removed; plan, progress and checkpoints kept"
+    if run.phase(Phase.SUSPENDED):
+        run.event("Normal", "Suspended", message)
+    run.condition("Suspended", True, "SuspendRequested", message)
+    run.condition("Running", False, "Suspended", message)
+
+
+def _finish(run: _Pass, attempt: Attempt, outcome: str, reason: str) -> None:
+    attempt.finished, attempt.outcome, attempt.reason = run.observation.now, outcome, reason
+
+
+def _follow(run: _Pass, job: FineTuneJob, plan: PlanCandidate, attempt: Attempt) -> None:
+    """Turn the current attempt's pods into phase, conditions and, on failure, the next attempt."""
+    pods = run.attempt_pods(attempt)
+    nodes = plan.strategy.nodes
+    gang = gang_state((report_pod(p) for p in pods), nodes)
+    present = {p["metadata"]["name"] for p in pods}
+    missing = [name for name in (pod_name(job, attempt.number, r) for r in range(nodes)) if name not in present]
+    if missing and run.status.phase is Phase.RUNNING and gang.outcome is not PodOutcome.SUCCEEDED:
+        gang = gang.__class__(PodOutcome.FAILED, f"pod(s) {', '.join(missing)} deleted while running")
+    if gang.outcome is PodOutcome.OUT_OF_MEMORY:
+        _replan_after_oom(run, job, plan, attempt, pods, gang.reason)
+    elif gang.outcome is PodOutcome.FAILED:
+        _restart(run, job, plan, attempt, pods, gang.reason)
+    elif gang.outcome is PodOutcome.SUCCEEDED:
+        _succeed(run, attempt, gang.reason)
+    elif gang.outcome is PodOutcome.RUNNING:
+        if run.phase(Phase.RUNNING):
+            run.event("Normal", "Running", f"attempt {attempt.number}: {gang.reason}")
+        run.condition("Running", True, "Running", f"attempt {attempt.number}: {gang.reason}")
+    elif missing:  # launching: (re)create what is not there yet; existing objects are left alone
+        wanted = set(missing)
+        pool = _pool(run, plan.strategy.pool)
+        objects = _attempt_objects(job, plan, pool, attempt.number, run.image) if pool is not None else []
+        run.decision.create.extend(o for o in objects if o["kind"] != "Pod" or o["metadata"]["name"] in wanted)
+
+
+def _attempt_objects(
+    job: FineTuneJob, plan: PlanCandidate, pool: GPUPool, number: int, image: str
+) -> list[dict[str, Any]]:
+    config = render_trainer_config(job, plan, peak_flops=peak_flops(pool_capacity(pool), plan.strategy.precision))
+    return attempt_objects(job, plan, pool, config, number, image)
+
+
+def _succeed(run: _Pass, attempt: Attempt, reason: str) -> None:
+    status = run.status
+    _finish(run, attempt, "Succeeded", reason)
+    run.phase(Phase.SUCCEEDED)
+    if status.progress is not None and status.progress.total_steps:
+        total = status.progress.total_steps
+        status.progress = status.progress.model_copy(update={"step": total, "percent": 100, "eta": None})
+        status.progress_display = progress_display(total, total)
+    run.condition("Running", False, "Completed", reason)
+    run.condition("Succeeded", True, "Completed", f"attempt {attempt.number}: {reason}")
+    run.event("Normal", "Succeeded", f"training finished: {reason}")
+
+
+def _fail(run: _Pass, reason: str, message: str) -> None:
+    run.phase(Phase.FAILED)
+    run.condition("Running", False, reason, message)
+    run.condition("Succeeded", False, reason, message)
+    run.condition("Ready", False, reason, message)
+    run.event("Warning", "Failed", message)
+
+
+def _restart(
+    run: _Pass, job: FineTuneJob, plan: PlanCandidate, attempt: Attempt, pods: Sequence[Mapping[str, Any]], why: str
+) -> None:
+    """Gang semantics: one failed rank ends the attempt; the next starts from the last checkpoint."""
+    status = run.status
+    run.delete_pods(pods)
+    _finish(run, attempt, "Failed", why)
+    if status.restarts >= job.spec.max_restarts:
+        _fail(run, "RestartLimitReached", f"{why}; all {job.spec.max_restarts} restart(s) used (spec.maxRestarts)")
+        return
+    status.restarts += 1
+    run.decision.restarted = True
+    run.event("Warning", "RankFailed", f"{why}; gang restart {status.restarts}/{job.spec.max_restarts}")
+    _launch(run, job, plan, Phase.RESTARTING, layout_kept=True)
+
+
+def _replan_after_oom(
+    run: _Pass, job: FineTuneJob, plan: PlanCandidate, attempt: Attempt, pods: Sequence[Mapping[str, Any]], why: str
+) -> None:
+    """Out of memory is not an ordinary failure: the same plan would fail again, so plan leaner."""
+    status = run.status
+    run.delete_pods(pods)
+    _finish(run, attempt, "OutOfMemory", why)
+    run.event("Warning", "OutOfMemory", f"{why} under {plan.strategy.summary()}")
+    if status.replans >= job.spec.max_replans:
+        _fail(run, "ReplanLimitReached", f"{why}; all {job.spec.max_replans} re-plan(s) used (spec.maxReplans)")
+        return
+    status.excluded_strategies.append(plan.strategy.summary())
+    result, layout_kept = replan_after_oom(job.spec, run.observation.pools, plan, status.excluded_strategies)
+    if result.chosen is None:
+        advice = " ".join(result.advice)
+        _fail(run, "NoLeanerPlan", f"{why}; no leaner strategy fits the declared GPUPools. {advice}".strip())
+        return
+    status.replans += 1
+    run.decision.replanned_after_oom = True
+    _adopt_plan(run, result.chosen)
+    was, now = memory_per_gpu(plan), memory_per_gpu(result.chosen)
+    keeps = ("the checkpoint layout is unchanged: resuming from the last checkpoint" if layout_kept else
+             f"the checkpoint layout changes ({_layout(plan)} -> {_layout(result.chosen)}): starting from the "
+             "model weights")  # fmt: skip
+    chosen = result.chosen.strategy.summary()
+    count = f"{status.replans}/{job.spec.max_replans}"
+    run.event("Normal", "Replanned", f"re-plan {count}: {chosen} (estimated {now} per GPU, was {was}); {keeps}")
+    _launch(run, job, result.chosen, Phase.RESTARTING, layout_kept=layout_kept)
+
+
+def _layout(plan: PlanCandidate) -> str:
+    method, precision, stage, gpus = checkpoint_layout(plan)
+    return f"{method} {precision} ZeRO-{stage} on {gpus} GPU(s)"

@@ -1,0 +1,129 @@
+"""Setting up the envtest API server the way a cluster with memfit installed looks, and playing the parts
+that do not exist here: the kubelet (pod status), the controller-manager (default ServiceAccounts)."""
+
+from __future__ import annotations
+
+import json
+import ssl
+import time
+import urllib.request
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from kubernetes import client
+
+from memfit.api.crd import CRD_FILES
+from tests.k8s.apiserver import OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT, ApiServer
+
+ROOT = Path(__file__).parent.parent.parent
+GROUP, VERSION = "memfit.dev", "v1alpha1"
+CLUSTER_ROLE_RULES = ROOT / "charts" / "memfit" / "files" / "clusterrole-rules.yaml"
+T = TypeVar("T")
+
+
+def example(name: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all((ROOT / "examples" / name).read_text()) if d]
+
+
+def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 30.0, every: float = 0.2) -> T:
+    """Poll ``probe`` until it returns something truthy."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(every)
+
+
+def install_crds(api: client.ApiClient, *paths: Path) -> None:
+    """memfit's CRDs, or the CRD files given, waiting until they are served."""
+    extensions = client.ApiextensionsV1Api(api)
+    crds = [yaml.safe_load(path.read_text()) for path in paths or [ROOT / "crds" / name for name in CRD_FILES]]
+    for crd in crds:
+        extensions.create_custom_resource_definition(crd)
+    for crd in crds:
+        name = crd["metadata"]["name"]
+
+        def established(name: str = name) -> bool:
+            conditions = extensions.read_custom_resource_definition(name).status.conditions or []
+            return any(c.type == "Established" and c.status == "True" for c in conditions)
+
+        wait_for(f"CRD {name} established", established, timeout=60)
+    time.sleep(1)  # discovery catches up
+
+
+def create_namespace(api: client.ApiClient, name: str) -> None:
+    """A namespace with its `default` ServiceAccount, as the controller-manager would make it."""
+    core = client.CoreV1Api(api)
+    core.create_namespace({"metadata": {"name": name}})
+    core.create_namespaced_service_account(name, {"metadata": {"name": "default"}})
+
+
+def grant_operator_role(api: client.ApiClient) -> None:
+    """The operator's ServiceAccount bound to the ClusterRole the chart ships, and nothing else."""
+    rbac, core = client.RbacAuthorizationV1Api(api), client.CoreV1Api(api)
+    core.create_namespace({"metadata": {"name": OPERATOR_NAMESPACE}})
+    core.create_namespaced_service_account(OPERATOR_NAMESPACE, {"metadata": {"name": OPERATOR_SERVICE_ACCOUNT}})
+    rules = yaml.safe_load(CLUSTER_ROLE_RULES.read_text())
+    rbac.create_cluster_role({"metadata": {"name": "memfit-operator"}, "rules": rules})
+    rbac.create_cluster_role_binding({
+        "metadata": {"name": "memfit-operator"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "memfit-operator"},
+        "subjects": [{"kind": "ServiceAccount", "name": OPERATOR_SERVICE_ACCOUNT, "namespace": OPERATOR_NAMESPACE}],
+    })  # fmt: skip
+
+
+def server_get(server: ApiServer, path: str, accept: str = "application/json") -> bytes:
+    """GET ``path`` from the API server as the admin."""
+    request = urllib.request.Request(
+        f"{server.url}{path}", headers={"Authorization": f"Bearer {server.token}", "Accept": accept}
+    )
+    with urllib.request.urlopen(request, context=ssl.create_default_context(cafile=str(server.ca_file))) as response:
+        return response.read()
+
+
+def server_table(server: ApiServer, path: str) -> dict[str, Any]:
+    """What `kubectl get` prints: the server-side Table of ``path``."""
+    return json.loads(server_get(server, path, accept="application/json;as=Table;v=v1;g=meta.k8s.io"))
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Kubelet:
+    """Writes pod status through the status subresource, as a kubelet (or kwok) would."""
+
+    def __init__(self, api: client.ApiClient) -> None:
+        self.core = client.CoreV1Api(api)
+
+    def _status(self, namespace: str, name: str, phase: str, state: dict[str, Any], ready: bool) -> None:
+        pod = self.core.read_namespaced_pod(name, namespace)
+        container = pod.spec.containers[0]
+        status = {
+            "phase": phase,
+            "podIP": "127.0.0.1",
+            "startTime": _now(),
+            "containerStatuses": [{
+                "name": container.name, "image": container.image, "imageID": "", "ready": ready,
+                "restartCount": 0, "state": state,
+            }],
+        }  # fmt: skip
+        self.core.patch_namespaced_pod_status(name, namespace, {"status": status})
+
+    def run(self, namespace: str, name: str) -> None:
+        self._status(namespace, name, "Running", {"running": {"startedAt": _now()}}, ready=True)
+
+    def terminate(
+        self, namespace: str, name: str, exit_code: int, reason: str = "Error", message: str | None = None
+    ) -> None:
+        terminated: dict[str, Any] = {"exitCode": exit_code, "reason": reason, "finishedAt": _now()}
+        if message is not None:
+            terminated["message"] = message
+        phase = "Succeeded" if exit_code == 0 else "Failed"
+        self._status(namespace, name, phase, {"terminated": terminated}, ready=False)

@@ -1,0 +1,496 @@
+"""The operator end to end on a real kube-apiserver, running as `memfit operator` under the operator's
+ServiceAccount bound only to the ClusterRole the chart ships. The test plays the kubelet (pod status) and
+rank 0 of the trainer (its real metrics exporter, which the operator scrapes for progress)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from kopf.testing import KopfRunner
+from kubernetes import client, config
+from kubernetes.client.rest import ApiException
+from kubernetes.config import kube_config
+from prometheus_client.parser import text_string_to_metric_families
+
+from memfit.api.finetunejob import FineTuneJob
+from memfit.api.loading import load_documents
+from memfit.planner.search import plan_job
+from memfit.render.trainer_config import render_trainer_config
+from memfit_operator.objects import ATTEMPT_LABEL, JOB_LABEL, RESTRICTED_SECURITY_CONTEXT
+from memfit_operator.status import memory_per_gpu
+from memfit_trainer.metrics import TrainerMetrics
+from tests.k8s.apiserver import ApiServer, running_apiserver
+from tests.k8s.cluster import (
+    GROUP,
+    ROOT,
+    VERSION,
+    Kubelet,
+    create_namespace,
+    example,
+    grant_operator_role,
+    install_crds,
+    server_table,
+    wait_for,
+)
+from tests.k8s.operator_process import OperatorProcess
+from tests.trainer.test_metrics import trainer_config
+
+NAMESPACE = "research"
+JOBS = "finetunejobs"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ApiServer]:
+    with running_apiserver() as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def api(server: ApiServer) -> client.ApiClient:
+    api_client = config.new_client_from_config(str(server.kubeconfig))
+    install_crds(api_client)
+    grant_operator_role(api_client)
+    create_namespace(api_client, NAMESPACE)
+    objects = client.CustomObjectsApi(api_client)
+    for pool in example("inventory.yaml"):
+        objects.create_cluster_custom_object(GROUP, VERSION, "gpupools", pool)
+    return api_client
+
+
+@pytest.fixture(scope="module")
+def rank0(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrainerMetrics]:
+    """The trainer's own exporter on a free port, standing in for rank 0 of every running job (pod IP
+    127.0.0.1): 30 of 120 steps done, a checkpoint at step 25."""
+    config_ = trainer_config(tmp_path_factory.mktemp("rank0") / "progress.json")
+    metrics = TrainerMetrics(config_, rank=0, world_size=8, port=0, device=torch.device("cpu"))
+    for step in range(1, 31):
+        metrics.step(step=step, total_steps=120, loss=2.0, learning_rate=1e-5, tokens=8192, samples=2,
+                     step_seconds=0.5)  # fmt: skip
+        if step == 25:
+            metrics.checkpoint(step=25, seconds=3.0)
+    yield metrics
+    metrics.close()
+
+
+@pytest.fixture(scope="module")
+def operator(
+    server: ApiServer, api: client.ApiClient, rank0: TrainerMetrics, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OperatorProcess]:
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    process = OperatorProcess(server.operator_kubeconfig, log, NAMESPACE, rank0.port, "--standalone")
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def kubelet(api: client.ApiClient) -> Kubelet:
+    return Kubelet(api)
+
+
+@pytest.fixture(autouse=True)
+def operator_log_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    report = getattr(request.node, "rep_call", None)
+    if report is not None and report.failed and "operator" in request.fixturenames:
+        print("operator log:\n" + request.getfixturevalue("operator").tail())
+
+
+def job_manifest(name: str, **spec_changes: Any) -> dict[str, Any]:
+    job = copy.deepcopy(example("llama-3.1-8b-lora.yaml")[0])
+    job["metadata"]["name"] = name
+    job["spec"].update(spec_changes)
+    return job
+
+
+def create_job(api: client.ApiClient, manifest: dict[str, Any]) -> dict[str, Any]:
+    return client.CustomObjectsApi(api).create_namespaced_custom_object(GROUP, VERSION, NAMESPACE, JOBS, manifest)
+
+
+def read_job(api: client.ApiClient, name: str) -> dict[str, Any]:
+    return client.CustomObjectsApi(api).get_namespaced_custom_object(GROUP, VERSION, NAMESPACE, JOBS, name)
+
+
+def patch_spec(api: client.ApiClient, name: str, spec: dict[str, Any]) -> None:
+    client.CustomObjectsApi(api).patch_namespaced_custom_object(GROUP, VERSION, NAMESPACE, JOBS, name, {"spec": spec})
+
+
+def pods(api: client.ApiClient, job: str, attempt: int | None = None) -> list[client.V1Pod]:
+    selector = f"{JOB_LABEL}={job}" + (f",{ATTEMPT_LABEL}={attempt}" if attempt is not None else "")
+    return client.CoreV1Api(api).list_namespaced_pod(NAMESPACE, label_selector=selector).items
+
+
+def phase_is(api: client.ApiClient, name: str, phase: str) -> dict[str, Any] | None:
+    job = read_job(api, name)
+    return job if job.get("status", {}).get("phase") == phase else None
+
+
+def condition(job: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next(c for c in job["status"]["conditions"] if c["type"] == type_)
+
+
+def events(api: client.ApiClient, name: str) -> list[tuple[str, str, str]]:
+    items = client.CoreV1Api(api).list_namespaced_event(NAMESPACE, field_selector=f"involvedObject.name={name}").items
+    return [(e.type, e.reason, e.message) for e in items]
+
+
+def has_event(api: client.ApiClient, name: str, reason: str) -> list[tuple[str, str, str]]:
+    return [e for e in events(api, name) if e[1] == reason]
+
+
+def launched(api: client.ApiClient, name: str, attempt: int, count: int) -> list[client.V1Pod]:
+    return wait_for(f"{count} pod(s) of attempt {attempt} of {name}",
+                    lambda: (found := pods(api, name, attempt)) and len(found) == count and found)  # fmt: skip
+
+
+def expected_plan(manifest: dict[str, Any]) -> Any:
+    documents = load_documents(ROOT / "examples" / "inventory.yaml")
+    return plan_job(FineTuneJob.model_validate(manifest).spec, documents.pools).chosen
+
+
+def test_a_new_job_is_planned_and_launched(api: client.ApiClient, operator: OperatorProcess) -> None:
+    manifest = job_manifest("launch")
+    created = create_job(api, manifest)
+    plan = expected_plan(manifest)
+    job = wait_for("phase Launching", lambda: phase_is(api, "launch", "Launching"))
+    status = job["status"]
+    assert status["plan"] == plan.to_api()  # the same fields as `memfit plan -o json`'s chosen candidate
+    assert status["gpus"] == plan.strategy.gpus and status["memoryPerGPU"] == memory_per_gpu(plan)
+    assert status["observedGeneration"] == created["metadata"]["generation"]
+    for type_ in ("Ready", "Planned"):
+        assert condition(job, type_)["status"] == "True"
+        assert condition(job, type_)["observedGeneration"] == 1 and condition(job, type_)["lastTransitionTime"]
+    assert status["attempts"][0]["number"] == 1 and status["launchedSpec"]["method"] == "auto"
+
+    [pod] = launched(api, "launch", 1, plan.strategy.nodes)
+    owner = pod.metadata.owner_references[0]
+    assert (owner.kind, owner.name, owner.uid, owner.controller) == (
+        "FineTuneJob",
+        "launch",
+        created["metadata"]["uid"],
+        True,
+    )
+    spec = pod.spec
+    container = spec.containers[0]
+    assert container.image == "registry.example/memfit-trainer:test"
+    assert container.resources.limits == {"nvidia.com/gpu": str(plan.strategy.gpus_per_node)}
+    assert spec.node_selector["nvidia.com/gpu.product"] == "NVIDIA-A100-SXM4-80GB"
+    assert spec.hostname == "launch-n0" and spec.subdomain == "launch"
+    assert spec.automount_service_account_token is False
+    security = container.security_context
+    assert security.run_as_non_root and security.allow_privilege_escalation is False
+    assert security.capabilities.drop == RESTRICTED_SECURITY_CONTEXT["capabilities"]["drop"]
+    assert security.seccomp_profile.type == "RuntimeDefault"
+    assert "--master-addr=launch-n0.launch.research.svc" in container.command
+    token = next(e for e in container.env if e.name == "HF_TOKEN")
+    assert token.value is None and token.value_from.secret_key_ref.name == "hf-token"
+    core = client.CoreV1Api(api)
+    service = core.read_namespaced_service("launch", NAMESPACE)
+    assert service.spec.cluster_ip == "None" and service.metadata.owner_references[0].uid == created["metadata"]["uid"]
+    config_map = core.read_namespaced_config_map("launch-a1", NAMESPACE)
+    rendered = render_trainer_config(FineTuneJob.model_validate(created), plan)
+    assert json.loads(config_map.data["deepspeed.json"]) == rendered.deepspeed
+    assert wait_for("Planned and Launching events",
+                    lambda: has_event(api, "launch", "Planned") and has_event(api, "launch", "Launching"))  # fmt: skip
+
+
+def test_running_reports_progress_then_succeeds(
+    server: ApiServer, api: client.ApiClient, operator: OperatorProcess, kubelet: Kubelet
+) -> None:
+    create_job(api, job_manifest("progress"))
+    [pod] = launched(api, "progress", 1, 1)
+    kubelet.run(NAMESPACE, pod.metadata.name)
+    job = wait_for("phase Running", lambda: phase_is(api, "progress", "Running"))
+    assert condition(job, "Running")["status"] == "True"
+    job = wait_for("progress in status", lambda: (j := read_job(api, "progress"))["status"].get("progress") and j)
+    progress = job["status"]["progress"]
+    assert (progress["step"], progress["totalSteps"], progress["percent"]) == (30, 120, 25)
+    assert progress["lastCheckpointStep"] == 25
+    assert progress["tokensPerSecond"] == pytest.approx(8192 / 0.5 * 8)  # rank 0's rate x 8 ranks
+    assert job["status"]["progressDisplay"] == "25% 30/120"
+
+    rows = table_row(server, "progress")  # what `kubectl get finetunejobs` prints
+    assert rows["Status"] == "Running" and rows["Progress"] == "25% 30/120" and rows["GPUs"] == 8
+
+    kubelet.terminate(NAMESPACE, pod.metadata.name, 0, reason="Completed")
+    job = wait_for("phase Succeeded", lambda: phase_is(api, "progress", "Succeeded"))
+    assert condition(job, "Succeeded")["status"] == "True"
+    assert job["status"]["progressDisplay"] == "100% 120/120"
+    assert job["status"]["attempts"][0]["outcome"] == "Succeeded"
+
+
+def table_row(server: ApiServer, name: str) -> dict[str, Any]:
+    table = server_table(server, f"/apis/{GROUP}/{VERSION}/namespaces/{NAMESPACE}/{JOBS}/{name}")
+    columns = [c["name"] for c in table["columnDefinitions"]]
+    return dict(zip(columns, table["rows"][0]["cells"], strict=True))
+
+
+def test_a_failed_rank_restarts_the_whole_gang_until_the_limit(
+    api: client.ApiClient, operator: OperatorProcess, kubelet: Kubelet
+) -> None:
+    manifest = job_manifest("gang", method="qlora", resources={"pool": "l4", "maxGPUs": 2}, maxRestarts=1)
+    assert expected_plan(manifest).strategy.nodes == 2  # two node ranks: a gang
+    create_job(api, manifest)
+    first = launched(api, "gang", 1, 2)
+    for pod in first:
+        kubelet.run(NAMESPACE, pod.metadata.name)
+    wait_for("phase Running", lambda: phase_is(api, "gang", "Running"))
+    kubelet.terminate(NAMESPACE, "gang-a1-n1", 1)
+
+    second = launched(api, "gang", 2, 2)
+    assert not pods(api, "gang", 1), "the failed attempt's pods are all removed, the healthy rank too"
+    job = read_job(api, "gang")
+    assert job["status"]["restarts"] == 1
+    assert job["status"]["attempts"][0]["outcome"] == "Failed"
+    assert "gang-a1-n1: exit code 1" in job["status"]["attempts"][0]["reason"]
+    assert wait_for("a RankFailed event", lambda: has_event(api, "gang", "RankFailed"))
+
+    kubelet.terminate(NAMESPACE, second[0].metadata.name, 137)
+    job = wait_for("phase Failed", lambda: phase_is(api, "gang", "Failed"))
+    assert condition(job, "Succeeded")["reason"] == "RestartLimitReached"
+    assert wait_for("the last attempt's pods removed", lambda: not pods(api, "gang", 2))
+    assert not pods(api, "gang", 3)
+
+
+def test_out_of_memory_replans_to_a_leaner_strategy(
+    api: client.ApiClient, operator: OperatorProcess, kubelet: Kubelet
+) -> None:
+    manifest = job_manifest("oom")
+    before = expected_plan(manifest)
+    create_job(api, manifest)
+    [pod] = launched(api, "oom", 1, 1)
+    kubelet.run(NAMESPACE, pod.metadata.name)
+    message = json.dumps({"reason": "OutOfMemory", "step": 1, "measuredPeakBytes": 85 * 2**30,
+                          "plannedPeakBytes": 60 * 2**30})  # fmt: skip
+    kubelet.terminate(NAMESPACE, pod.metadata.name, 1, message=message)
+
+    launched(api, "oom", 2, 1)
+    status = read_job(api, "oom")["status"]
+    assert status["replans"] == 1 and status["restarts"] == 0
+    assert status["excludedStrategies"] == [before.strategy.summary()]
+    assert status["plan"]["memory"]["perGPU"]["total"] < before.memory.per_gpu.total
+    assert status["attempts"][0]["outcome"] == "OutOfMemory"
+    assert "CUDA out of memory at step 1" in status["attempts"][0]["reason"]
+    [replanned] = wait_for("a Replanned event", lambda: has_event(api, "oom", "Replanned"))
+    assert "resuming from the last checkpoint" in replanned[2] or "starting from the model weights" in replanned[2]
+
+    [pod] = pods(api, "oom", 2)
+    kubelet.terminate(NAMESPACE, pod.metadata.name, 137, reason="OOMKilled")  # the host's memory this time
+    launched(api, "oom", 3, 1)
+    assert read_job(api, "oom")["status"]["replans"] == 2
+
+
+def test_suspend_removes_the_pods_and_resume_starts_a_new_attempt(
+    api: client.ApiClient, operator: OperatorProcess, kubelet: Kubelet
+) -> None:
+    create_job(api, job_manifest("pause"))
+    [pod] = launched(api, "pause", 1, 1)
+    kubelet.run(NAMESPACE, pod.metadata.name)
+    wait_for("phase Running", lambda: phase_is(api, "pause", "Running"))
+    patch_spec(api, "pause", {"suspend": True})
+    job = wait_for("phase Suspended", lambda: phase_is(api, "pause", "Suspended"))
+    assert condition(job, "Suspended")["status"] == "True"
+    assert wait_for("pods removed", lambda: not pods(api, "pause"))
+    assert job["status"]["plan"] and job["status"]["attempts"][0]["outcome"] == "Suspended"
+
+    patch_spec(api, "pause", {"suspend": False})
+    launched(api, "pause", 2, 1)
+    job = read_job(api, "pause")
+    assert condition(job, "Suspended")["status"] == "False" and job["status"]["restarts"] == 0
+
+
+def test_a_bad_spec_is_reported_and_the_operator_carries_on(api: client.ApiClient, operator: OperatorProcess) -> None:
+    bad = job_manifest("bad", strategy={"microBatchSize": 5})  # globalBatchSize 64 is not a multiple of 5
+    create_job(api, bad)
+    job = wait_for("phase Invalid", lambda: phase_is(api, "bad", "Invalid"))
+    ready = condition(job, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
+    assert "globalBatchSize (64) is not divisible by strategy.microBatchSize (5)" in ready["message"]
+    [warning] = wait_for("an InvalidSpec event", lambda: has_event(api, "bad", "InvalidSpec"))
+    assert warning[0] == "Warning"
+    assert not pods(api, "bad")
+    create_job(api, job_manifest("good-after-bad"))
+    launched(api, "good-after-bad", 1, 1)
+    assert operator.process.poll() is None
+
+
+def test_the_spec_cannot_change_after_launch_except_suspend(api: client.ApiClient, operator: OperatorProcess) -> None:
+    create_job(api, job_manifest("frozen"))
+    launched(api, "frozen", 1, 1)
+    plan = read_job(api, "frozen")["status"]["plan"]
+    patch_spec(api, "frozen", {"training": {"sequenceLength": 1024}})
+
+    def rejected() -> dict[str, Any] | None:
+        job = read_job(api, "frozen")
+        return job if condition(job, "Ready")["reason"] == "SpecImmutable" else None
+
+    job = wait_for("Ready=False SpecImmutable", rejected)
+    assert "spec.training changed after launch" in condition(job, "Ready")["message"]
+    assert job["status"]["plan"] == plan and job["status"]["launchedSpec"]["training"]["sequenceLength"] == 4096
+    assert wait_for("a SpecImmutable event", lambda: has_event(api, "frozen", "SpecImmutable"))
+    assert [p.metadata.name for p in pods(api, "frozen")] == ["frozen-a1-n0"]
+
+
+def test_deleting_a_job_stops_it(api: client.ApiClient, operator: OperatorProcess) -> None:
+    created = create_job(api, job_manifest("doomed"))
+    [pod] = launched(api, "doomed", 1, 1)
+    assert pod.metadata.owner_references[0].uid == created["metadata"]["uid"]  # garbage collection removes them
+    client.CustomObjectsApi(api).delete_namespaced_custom_object(GROUP, VERSION, NAMESPACE, JOBS, "doomed")
+
+    def gone() -> bool:
+        try:
+            read_job(api, "doomed")
+        except ApiException as error:
+            return error.status == 404
+        return False
+
+    wait_for("the job deleted (finalizer released)", gone)
+    client.CoreV1Api(api).delete_namespaced_pod(pod.metadata.name, NAMESPACE)  # what the garbage collector does
+    create_job(api, job_manifest("after-doomed"))
+    launched(api, "after-doomed", 1, 1)  # the operator is alive and has moved on
+    assert not pods(api, "doomed"), "nothing is recreated for a deleted job"
+
+
+def test_operator_metrics(api: client.ApiClient, operator: OperatorProcess) -> None:
+    create_job(api, job_manifest("counted"))
+    launched(api, "counted", 1, 1)
+    text = wait_for("the job counted", lambda: (t := operator.metrics()) and "research/counted" in t and t)
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert samples[("memfit_job_phase", (("finetunejob", "research/counted"), ("phase", "Launching")))] == 1
+    assert samples[("memfit_operator_jobs", (("phase", "Launching"),))] >= 1
+    assert samples[("memfit_operator_plans_total", (("method", "full"), ("zero_stage", "2")))] >= 1
+    assert samples[("memfit_operator_reconcile_duration_seconds_count", ())] > 0
+    assert not [key for key in samples if key[0] == "memfit_operator_handler_errors_total"], operator.tail()
+    log = operator.log.read_text()
+    assert "Forbidden" not in log, "the shipped ClusterRole lacks a permission"
+    assert "Traceback" not in log
+
+
+def test_the_handlers_under_kopf_testing_runner(
+    server: ApiServer, api: client.ApiClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same handlers through kopf's own test runner (in this process, the operator's identity)."""
+    create_namespace(api, "kopfrunner")
+    monkeypatch.setenv("KUBECONFIG", str(server.operator_kubeconfig))
+    # kopf's login reads the kubernetes client's default kubeconfig path, fixed when the client was imported
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(server.operator_kubeconfig))
+    monkeypatch.setenv("MEMFIT_METRICS_PORT", "0")
+    manifest = job_manifest("in-process")
+    manifest["metadata"]["namespace"] = "kopfrunner"
+    objects = client.CustomObjectsApi(api)
+    arguments = ["run", "--standalone", "--namespace", "kopfrunner", "-m", "memfit_operator.handlers"]
+    with KopfRunner(arguments) as runner:
+        objects.create_namespaced_custom_object(GROUP, VERSION, "kopfrunner", JOBS, manifest)
+        status = wait_for("the job launched", lambda: _status(objects, "kopfrunner", "in-process").get("attempts") and
+                          _status(objects, "kopfrunner", "in-process"))  # fmt: skip
+    assert runner.exception is None and runner.exit_code == 0
+    assert status["phase"] == "Launching"
+    assert "Traceback" not in runner.output
+
+
+def test_pods_do_not_exist_for_unknown_pools(api: client.ApiClient, operator: OperatorProcess) -> None:
+    create_job(api, job_manifest("nowhere", resources={"pool": "h100-nowhere"}))
+    job = wait_for("phase Unschedulable", lambda: phase_is(api, "nowhere", "Unschedulable"))
+    assert condition(job, "Planned")["status"] == "False"
+    assert "h100-nowhere" in condition(job, "Planned")["message"]
+    assert not pods(api, "nowhere")
+
+
+@pytest.fixture(scope="module")
+def restart_namespace(api: client.ApiClient) -> str:
+    create_namespace(api, "restarts")
+    return "restarts"
+
+
+def test_an_operator_killed_mid_launch_leaves_no_duplicates(
+    server: ApiServer, api: client.ApiClient, restart_namespace: str, rank0: TrainerMetrics, tmp_path: Path
+) -> None:
+    objects, core = client.CustomObjectsApi(api), client.CoreV1Api(api)
+    log = tmp_path / "operator.log"
+    for round_, delay in enumerate((0.0, 0.15, 0.3, 0.6)):
+        name = f"killed-{round_}"
+        process = OperatorProcess(server.operator_kubeconfig, log, restart_namespace, rank0.port, "--standalone")
+        manifest = job_manifest(name, method="qlora", resources={"pool": "l4", "maxGPUs": 2})
+        manifest["metadata"]["namespace"] = restart_namespace
+        objects.create_namespaced_custom_object(GROUP, VERSION, restart_namespace, JOBS, manifest)
+        wait_for("the launch under way", lambda: _status(objects, restart_namespace, name).get("attempts"), every=0.02)  # noqa: B023
+        time.sleep(delay)
+        process.kill()
+        process = OperatorProcess(server.operator_kubeconfig, log, restart_namespace, rank0.port, "--standalone")
+
+        def names() -> list[str]:
+            found = core.list_namespaced_pod(restart_namespace, label_selector=f"{JOB_LABEL}={name}").items  # noqa: B023
+            return sorted(p.metadata.name for p in found)
+
+        wait_for("both ranks", lambda: len(names()) == 2)
+        time.sleep(3)  # a few passes of the new operator
+        process.stop()
+        assert names() == [f"{name}-a1-n0", f"{name}-a1-n1"], log.read_text()[-3000:]
+        status = _status(objects, restart_namespace, name)
+        assert len(status["attempts"]) == 1 and status["phase"] == "Launching" and status["restarts"] == 0
+
+
+def _status(objects: client.CustomObjectsApi, namespace: str, name: str) -> dict[str, Any]:
+    return objects.get_namespaced_custom_object(GROUP, VERSION, namespace, JOBS, name).get("status") or {}
+
+
+PEERING_CRDS = ROOT / "charts" / "memfit" / "crds"
+
+
+def test_two_replicas_share_the_work_through_peering(
+    server: ApiServer, api: client.ApiClient, rank0: TrainerMetrics, tmp_path: Path
+) -> None:
+    """Two operators, one active at a time: no job is handled twice, and the standby takes over."""
+    install_crds(api, PEERING_CRDS / "kopf.dev_kopfpeerings.yaml")
+    create_namespace(api, "peering")
+    objects = client.CustomObjectsApi(api)
+    wait_for("KopfPeering served", lambda: _create_peering(objects), timeout=30)
+    peered = ("--peering", "memfit")
+    kubeconfig = server.operator_kubeconfig
+    replicas = [OperatorProcess(kubeconfig, tmp_path / f"{i}.log", "peering", rank0.port, *peered) for i in range(2)]
+    try:
+        standby = wait_for("one replica pausing for the other",
+                           lambda: [r for r in replicas if "Pausing operations" in r.log.read_text()])  # fmt: skip
+        assert len(standby) == 1
+        [active] = [r for r in replicas if r is not standby[0]]
+        for name in ("shared-1", "shared-2"):
+            manifest = job_manifest(name)
+            manifest["metadata"]["namespace"] = "peering"
+            objects.create_namespaced_custom_object(GROUP, VERSION, "peering", JOBS, manifest)
+        time.sleep(5)
+        for name in ("shared-1", "shared-2"):
+            status = _status(objects, "peering", name)
+            assert len(status["attempts"]) == 1 and status["phase"] == "Launching"
+        assert "shared-1" not in standby[0].log.read_text()
+
+        active.stop()  # a rolling update: the active replica leaves, the standby resumes
+        manifest = job_manifest("after-handover")
+        manifest["metadata"]["namespace"] = "peering"
+        objects.create_namespaced_custom_object(GROUP, VERSION, "peering", JOBS, manifest)
+        handed_over = lambda: _status(objects, "peering", "after-handover").get("attempts")  # noqa: E731
+        wait_for("the standby launching a new job", handed_over, timeout=60)
+    finally:
+        for replica in replicas:
+            replica.stop()
+
+
+def _create_peering(objects: client.CustomObjectsApi) -> bool:
+    try:
+        objects.create_namespaced_custom_object(
+            "kopf.dev", "v1", "peering", "kopfpeerings", {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering",
+                                                           "metadata": {"name": "memfit"}})  # fmt: skip
+    except ApiException as error:
+        if error.status == 404:  # discovery has not caught up with the new CRD yet
+            return False
+        raise
+    return True

@@ -1,0 +1,275 @@
+"""A real Prometheus on loopback scrapes a real local training run, a GPU-shaped trainer endpoint and the
+operator's metrics, loads the chart's rules, and answers every query of the dashboards and every rule.
+
+Targets:
+* the tiny example as `memfit run --local` plans and renders it (two CPU ranks under torchrun), served on a
+  fixed port instead of an ephemeral one;
+* the trainer's own ``TrainerMetrics`` for a job on a "GPU": this machine has none, so PyTorch's CUDA
+  allocator readings are stubbed; names, labels and the plan's predictions (with the GPU's peak FLOP/s,
+  hence MFU) are the real code's. The GPU memory panels and the memory alerts need this target;
+* the operator's ``OperatorMetrics`` with a few jobs recorded (one of them the running tiny job).
+
+Every dashboard query for the tiny job (the GPU-only ones for the GPU job), every recording rule and every
+alert's signal (its expression without the threshold) must return data; whole alert expressions must be
+accepted; Prometheus must report every rule healthy.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from memfit.api.finetunejob import FineTuneJobStatus, Phase
+from memfit_operator.metrics import OperatorMetrics
+from memfit_trainer.config import MetricsConfig, PredictionConfig, TrainerConfig
+from memfit_trainer.metrics import TrainerMetrics
+from memfit_trainer.progress import read_progress
+from tests.chart.render import ROOT, rule_groups
+from tests.monitoring.expressions import dashboard_queries, dump, metric_names, rules, signal, tool, with_variables
+from tests.trainer.runs import torchrun_command, trainer_env
+
+pytestmark = pytest.mark.distributed
+CPU_JOB, GPU_JOB = "default/tiny", "default/gpu-job"
+GPU_ONLY = {
+    "memfit_gpu_memory_peak_allocated_bytes",
+    "memfit_gpu_memory_reserved_bytes",
+    "finetunejob_rank:memfit_gpu_memory_peak_allocated_bytes:max",
+    "memfit_train_estimated_mfu_ratio",
+}
+"""Series a CPU run does not have: measured GPU memory, and MFU (a local plan knows no peak FLOP/s)."""
+H100_BF16_FLOPS = 989e12
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` consecutive free loopback ports (the trainer serves rank r on base + r)."""
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket()
+                sockets.append(s)
+                s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+        return list(range(base, base + count))
+    raise RuntimeError("no consecutive free ports")
+
+
+def tiny_run_config(tmp_path: Path, port: int) -> Path:
+    """`memfit run examples/tiny/job.yaml --local --dry-run`: the config a local run trains with."""
+    example = tmp_path / "tiny"
+    shutil.copytree(ROOT / "examples" / "tiny", example, ignore=shutil.ignore_patterns("output"))
+    workdir = tmp_path / "work"
+    command = [sys.executable, "-m", "memfit.cli.main", "run", str(example / "job.yaml"), "--local", "--dry-run",
+               "--workdir", str(workdir)]  # fmt: skip
+    planned = subprocess.run(command, capture_output=True, text=True, timeout=120, env=trainer_env())
+    assert planned.returncode == 0, planned.stdout + planned.stderr
+    config = TrainerConfig.model_validate_json((workdir / "trainer-config.json").read_text())
+    assert config.job == CPU_JOB and config.prediction is not None
+    metrics = MetricsConfig(port=port, progress_file=config.metrics.progress_file)
+    path = workdir / "trainer-config.json"
+    path.write_text(config.model_copy(update={"metrics": metrics}).to_json())
+    return path
+
+
+class GPURank:
+    """The trainer's metrics endpoint of one GPU rank, fed with steps from a thread."""
+
+    def __init__(self, config: TrainerConfig, port: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        for reading, value in (("memory_allocated", 30e9), ("memory_reserved", 34e9), ("max_memory_allocated", 38e9)):
+            monkeypatch.setattr(torch.cuda, reading, lambda device=None, value=value: value)
+        prediction = PredictionConfig(
+            strategy="lora zero0 mb4x1 bf16 adamw on 1x1 h100",
+            peak_allocated_bytes=36 * 10**9,
+            total_bytes=40 * 10**9,
+            gpu_memory_bytes=80 * 10**9,
+            tokens_per_second=9000.0,
+            peak_flops=H100_BF16_FLOPS,
+        )
+        metrics = MetricsConfig(port=port, progress_file=None)  # the tiny run's progress file is not ours
+        gpu_config = config.model_copy(update={"job": GPU_JOB, "prediction": prediction, "metrics": metrics})
+        self.metrics = TrainerMetrics(gpu_config, rank=0, world_size=1, port=port, device=torch.device("cuda", 0))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._train, daemon=True)
+        self._thread.start()
+
+    def _train(self) -> None:
+        step = 0
+        while not self._stop.wait(0.3):
+            step += 1
+            self.metrics.step(step=step, total_steps=10_000, loss=2.0 - step * 1e-3, learning_rate=1e-4,
+                              tokens=4096, samples=2, step_seconds=0.45)  # fmt: skip
+            if step % 10 == 0:
+                self.metrics.checkpoint(step=step, seconds=1.5)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.metrics.close()
+
+
+def operator_metrics(port: int) -> OperatorMetrics:
+    """The operator's registry with the jobs a fleet has: the tiny run (after an OOM re-plan), a failed one."""
+    metrics = OperatorMetrics()
+    metrics.serve(port)
+    metrics.job_status(CPU_JOB, FineTuneJobStatus(phase=Phase.RUNNING, gpus=2, replans=1, restarts=1))
+    metrics.job_status(GPU_JOB, FineTuneJobStatus(phase=Phase.RUNNING, gpus=1))
+    metrics.job_status("research/broken", FineTuneJobStatus(phase=Phase.FAILED, replans=3))
+    metrics.job_status("research/queued", FineTuneJobStatus(phase=Phase.PENDING))
+    metrics.plans.labels("full", "1").inc()
+    metrics.oom_replans.inc()
+    metrics.restarts.inc()
+    metrics.reconcile_seconds.observe(0.02)
+    metrics.handler_errors.labels("reconcile").inc()
+    return metrics
+
+
+class Prometheus:
+    def __init__(self, tmp_path: Path, trainer_targets: list[str], operator_target: str) -> None:
+        dump({"groups": rule_groups()}, tmp_path / "memfit.rules.yaml")
+        config = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": ["memfit.rules.yaml"],
+            "scrape_configs": [
+                {"job_name": "trainer", "static_configs": [{"targets": trainer_targets}]},
+                {"job_name": "memfit-operator", "static_configs": [{"targets": [operator_target]}]},
+            ],
+        }
+        (self.port,) = free_ports(1)
+        self.process = subprocess.Popen(
+            [tool("prometheus"), f"--config.file={dump(config, tmp_path / 'prometheus.yml')}",
+             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{self.port}",
+             "--log.level=warn"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while True:
+            assert self.process.poll() is None, self.process.stderr.read() if self.process.stderr else ""
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=2)
+                return
+            except OSError:
+                assert time.monotonic() < deadline, "prometheus not ready within 60 s"
+                time.sleep(0.3)
+
+    def api(self, path: str, **params: Any) -> Any:
+        url = f"http://127.0.0.1:{self.port}/api/v1/{path}?{urllib.parse.urlencode(params, doseq=True)}"
+        try:
+            with urllib.request.urlopen(url, timeout=30) as response:
+                body = json.load(response)
+        except urllib.error.HTTPError as error:
+            raise AssertionError(f"{path} {params}: {error.read().decode()}") from None
+        assert body["status"] == "success", body
+        return body["data"]
+
+    def query(self, expr: str, at: float) -> list[dict[str, Any]]:
+        return self.api("query", query=expr, time=at)["result"]
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prometheus, float]]:
+    """Everything running and scraped; yields Prometheus and a time at which every target had data."""
+    tool("promtool")
+    prometheus_binary = tool("prometheus")
+    assert prometheus_binary
+    tmp_path = tmp_path_factory.mktemp("live")
+    monkeypatch = pytest.MonkeyPatch()
+    rank0, rank1, gpu_port, operator_port = free_ports(4)
+    config_path = tiny_run_config(tmp_path, rank0)
+    config = TrainerConfig.model_validate_json(config_path.read_text())
+    gpu = GPURank(config, gpu_port, monkeypatch)
+    operator_metrics(operator_port)
+    prometheus = Prometheus(tmp_path, [f"127.0.0.1:{p}" for p in (rank0, rank1, gpu_port)],
+                            f"127.0.0.1:{operator_port}")  # fmt: skip
+    run = subprocess.Popen(torchrun_command(config_path), env=trainer_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 600
+        progress_file = Path(config.metrics.progress_file or "")
+        while True:
+            assert run.poll() is None, "the run ended before it was scraped enough:\n" + (
+                run.stdout.read() if run.stdout else ""
+            )
+            assert time.monotonic() < deadline, "the tiny run made too little progress in 10 minutes"
+            progress = read_progress(progress_file)
+            if progress is not None and progress.step >= 15:
+                samples = prometheus.query("min(count_over_time(memfit_train_step[1m]))", time.time())
+                if samples and float(samples[0]["value"][1]) >= 10:  # every rank scraped 10 times mid-run
+                    break
+            time.sleep(0.5)
+        at = time.time()
+        time.sleep(2)  # let the rules evaluate once more after `at`
+        yield prometheus, at
+    finally:
+        run.terminate()  # scraped enough; tests/trainer checks that runs finish
+        run.communicate(timeout=120)
+        gpu.close()
+        monkeypatch.undo()
+        prometheus.stop()
+
+
+def test_every_dashboard_query_returns_data(scraped: tuple[Prometheus, float]) -> None:
+    prometheus, at = scraped
+    empty = []
+    for where, expr in dashboard_queries():
+        job = GPU_JOB if metric_names(expr) & GPU_ONLY else CPU_JOB
+        if not prometheus.query(with_variables(expr, job), at):
+            empty.append(f"{where} ({job}): {expr}")
+    assert not empty, "queries without data:\n" + "\n".join(empty)
+
+
+def test_job_variable_lists_the_running_jobs(scraped: tuple[Prometheus, float]) -> None:
+    prometheus, at = scraped
+    values = prometheus.api("label/finetunejob/values", **{"match[]": "memfit_train_step", "end": at})
+    assert {CPU_JOB, GPU_JOB} <= set(values)
+
+
+def test_every_rule_evaluates_on_real_data(scraped: tuple[Prometheus, float]) -> None:
+    prometheus, at = scraped
+    empty = []
+    for rule in rules():
+        name = rule.get("alert") or rule["record"]
+        prometheus.query(rule["expr"], at)  # the whole expression is valid for Prometheus
+        measured = signal(rule["expr"]) if "alert" in rule else rule["expr"]
+        if not prometheus.query(measured, at):
+            empty.append(f"{name}: {measured}")
+    assert not empty, "rules whose inputs have no data:\n" + "\n".join(empty)
+    loaded = [r for group in prometheus.api("rules")["groups"] for r in group["rules"]]
+    assert len(loaded) == len(rules()) and all(r["health"] == "ok" for r in loaded), loaded
+
+
+def test_memory_alerts_see_the_gpu_rank(scraped: tuple[Prometheus, float]) -> None:
+    """38 GB peak on an 80 GB GPU against a 36 GB prediction: near neither threshold, so no alert fires, but
+    the ratios the alerts compare are the ones the stubbed allocator implies."""
+    prometheus, at = scraped
+    alerts = {rule["alert"]: rule["expr"] for rule in rules() if "alert" in rule}
+    (capacity,) = prometheus.query(signal(alerts["MemfitGPUMemoryNearCapacity"]), at)
+    (prediction,) = prometheus.query(signal(alerts["MemfitGPUMemoryAbovePrediction"]), at)
+    assert capacity["metric"] == {"finetunejob": GPU_JOB, "rank": "0"}
+    assert float(capacity["value"][1]) == pytest.approx(38 / 80)
+    assert float(prediction["value"][1]) == pytest.approx(38 / 36)
+    firing = prometheus.api("alerts")["alerts"]
+    assert not [a for a in firing if a["labels"]["alertname"].startswith("MemfitGPUMemory")]

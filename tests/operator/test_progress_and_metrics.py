@@ -1,0 +1,326 @@
+"""Progress read from rank 0's /metrics (memfit_operator.progress) and the operator's own metrics
+(memfit_operator.metrics): pure parsing and registry bookkeeping, no network."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from memfit.api.finetunejob import FineTuneJobStatus, Phase
+from memfit.api.loading import load_documents
+from memfit.api.plan import PlanCandidate
+from memfit.planner.search import plan_job
+from memfit_operator.metrics import OperatorMetrics
+from memfit_operator.objects import RANK_LABEL
+from memfit_operator.progress import parse_trainer_metrics, rank0_address
+from memfit_trainer.progress import (
+    CHECKPOINT_STEP_METRIC,
+    ETA_METRIC,
+    STEP_METRIC,
+    TOKENS_PER_SECOND_METRIC,
+    TOTAL_STEPS_METRIC,
+)
+
+ROOT = Path(__file__).parent.parent.parent
+NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
+JOB = "research/llama-chat"
+
+
+def exposition(ranks: dict[str, dict[str, float]], extra_labels: bool = True) -> str:
+    """/metrics text as the trainer serves it: one gauge family per series, labelled finetunejob and rank."""
+    registry = CollectorRegistry()
+    names = sorted({name for values in ranks.values() for name in values})
+    gauges = {name: Gauge(name, f"{name} help", ["finetunejob", "rank"], registry=registry) for name in names}
+    for rank, values in ranks.items():
+        for name, value in values.items():
+            gauges[name].labels(JOB, rank).set(value)
+    # Series the operator does not read, as the trainer exports them too.
+    if extra_labels:
+        Counter("memfit_train_tokens", "tokens", ["finetunejob", "rank"], registry=registry).labels(JOB, "0").inc(5)
+        memory = Gauge("memfit_gpu_memory_allocated_bytes", "m", ["finetunejob", "rank", "device"], registry=registry)
+        memory.labels(JOB, "0", "cuda:0").set(1e9)
+    return generate_latest(registry).decode()
+
+
+FULL = {
+    STEP_METRIC: 120,
+    TOTAL_STEPS_METRIC: 1000,
+    ETA_METRIC: 3270.4,
+    TOKENS_PER_SECOND_METRIC: 665.2,
+    CHECKPOINT_STEP_METRIC: 100,
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# parse_trainer_metrics
+# ------------------------------------------------------------------------------------------------
+
+
+def test_every_progress_series_of_rank_0() -> None:
+    progress = parse_trainer_metrics(exposition({"0": FULL}), world_size=8, now=NOW)
+    assert progress is not None
+    assert progress.step == 120 and progress.total_steps == 1000 and progress.percent == 12
+    assert progress.tokens_per_second == pytest.approx(665.2 * 8)
+    assert progress.tokens_per_second == round(665.2 * 8, 1)
+    assert progress.eta == "2026-01-01T12:54:30Z"  # 3270.4 s later, whole seconds
+    assert progress.last_checkpoint_step == 100
+    assert progress.updated == "2026-01-01T12:00:00Z"
+
+
+def test_before_the_first_step_there_is_no_progress() -> None:
+    assert parse_trainer_metrics("", world_size=8, now=NOW) is None
+    assert parse_trainer_metrics(exposition({"0": {TOTAL_STEPS_METRIC: 1000}}), world_size=8, now=NOW) is None
+
+
+def test_series_not_exported_yet_stay_null_never_invented() -> None:
+    progress = parse_trainer_metrics(exposition({"0": {STEP_METRIC: 3}}, extra_labels=False), 4, NOW)
+    assert progress is not None
+    assert progress.step == 3 and progress.total_steps is None and progress.percent == 0
+    assert progress.tokens_per_second is None and progress.eta is None and progress.last_checkpoint_step is None
+    assert progress.updated == "2026-01-01T12:00:00Z"
+
+
+def test_only_rank_0_counts() -> None:
+    other = {STEP_METRIC: 999, TOTAL_STEPS_METRIC: 5, TOKENS_PER_SECOND_METRIC: 1.0, CHECKPOINT_STEP_METRIC: 998}
+    text = exposition({"1": other, "0": FULL, "7": other})
+    progress = parse_trainer_metrics(text, world_size=8, now=NOW)
+    assert progress is not None and (progress.step, progress.total_steps, progress.last_checkpoint_step) == (
+        120, 1000, 100)  # fmt: skip
+    assert parse_trainer_metrics(exposition({"1": other}), world_size=8, now=NOW) is None
+
+
+def test_unlabelled_series_count_as_rank_0() -> None:
+    text = f"# TYPE {STEP_METRIC} gauge\n{STEP_METRIC} 7\n# TYPE {TOTAL_STEPS_METRIC} gauge\n{TOTAL_STEPS_METRIC} 70\n"
+    progress = parse_trainer_metrics(text, world_size=1, now=NOW)
+    assert progress is not None and (progress.step, progress.percent) == (7, 10)
+
+
+@pytest.mark.parametrize(("step", "total", "percent"), [(0, 1000, 0), (999, 1000, 99), (1000, 1000, 100), (1, 3, 33)])
+def test_percent_rounds_down(step: int, total: int, percent: int) -> None:
+    progress = parse_trainer_metrics(exposition({"0": {STEP_METRIC: step, TOTAL_STEPS_METRIC: total}}), 1, NOW)
+    assert progress is not None and progress.percent == percent
+
+
+def test_a_zero_total_gives_zero_percent_not_a_division_error() -> None:
+    progress = parse_trainer_metrics(exposition({"0": {STEP_METRIC: 0, TOTAL_STEPS_METRIC: 0}}), 1, NOW)
+    assert progress is not None and progress.percent == 0
+
+
+def test_eta_and_updated_are_utc_whatever_the_clock_zone() -> None:
+    local = NOW.astimezone(timezone(timedelta(hours=5, minutes=30)))
+    progress = parse_trainer_metrics(exposition({"0": {STEP_METRIC: 1, ETA_METRIC: 60}}), 1, local)
+    assert progress is not None
+    assert progress.updated == "2026-01-01T12:00:00Z" and progress.eta == "2026-01-01T12:01:00Z"
+
+
+def test_tokens_per_second_scales_with_the_world_size() -> None:
+    text = exposition({"0": {STEP_METRIC: 1, TOKENS_PER_SECOND_METRIC: 100.04}})
+    assert parse_trainer_metrics(text, 1, NOW).tokens_per_second == 100.0  # type: ignore[union-attr]
+    assert parse_trainer_metrics(text, 32, NOW).tokens_per_second == 3201.3  # type: ignore[union-attr]
+
+
+# ------------------------------------------------------------------------------------------------
+# rank0_address
+# ------------------------------------------------------------------------------------------------
+
+
+def pod(rank: str | None, ip: str | None = None) -> dict:
+    labels = {RANK_LABEL: rank} if rank is not None else {}
+    status = {"phase": "Running", "podIP": ip} if ip is not None else {"phase": "Pending"}
+    return {"metadata": {"name": f"job-a1-n{rank}", "labels": labels}, "status": status}
+
+
+def test_rank0_address_is_rank_0s_pod_ip() -> None:
+    assert rank0_address([pod("1", "10.0.0.2"), pod("0", "10.0.0.1"), pod("2", "10.0.0.3")], RANK_LABEL) == "10.0.0.1"
+
+
+def test_rank0_address_is_none_until_rank_0_has_an_ip() -> None:
+    assert rank0_address([pod("1", "10.0.0.2"), pod("0")], RANK_LABEL) is None
+    assert rank0_address([pod("1", "10.0.0.2")], RANK_LABEL) is None
+    assert rank0_address([], RANK_LABEL) is None
+    assert rank0_address([{"metadata": {"name": "x", "labels": None}, "status": None}], RANK_LABEL) is None
+    assert rank0_address([{"metadata": {"name": "x", "labels": {RANK_LABEL: "0"}}}], RANK_LABEL) is None
+
+
+def test_rank0_address_ignores_pods_without_the_rank_label() -> None:
+    assert rank0_address([pod(None, "10.9.9.9"), pod("0", "10.0.0.1")], RANK_LABEL) == "10.0.0.1"
+
+
+# ------------------------------------------------------------------------------------------------
+# OperatorMetrics
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def metrics() -> OperatorMetrics:
+    return OperatorMetrics()
+
+
+def value(metrics: OperatorMetrics, name: str, **labels: str) -> float | None:
+    return metrics.registry.get_sample_value(name, labels)
+
+
+def jobs_by_phase(metrics: OperatorMetrics) -> dict[str, float | None]:
+    return {phase.value: value(metrics, "memfit_operator_jobs", phase=phase.value) for phase in Phase}
+
+
+def job_series(metrics: OperatorMetrics, job: str) -> list[tuple[str, dict[str, str], float]]:
+    return sorted(
+        (s.name, dict(s.labels), s.value)
+        for family in metrics.registry.collect()
+        for s in family.samples
+        if s.labels.get("finetunejob") == job
+    )
+
+
+def status(phase: Phase | None, gpus: int | None = 8, replans: int = 0, restarts: int = 0) -> FineTuneJobStatus:
+    return FineTuneJobStatus(phase=phase, gpus=gpus, replans=replans, restarts=restarts)
+
+
+def test_every_phase_counts_zero_before_any_job(metrics: OperatorMetrics) -> None:
+    assert jobs_by_phase(metrics) == {phase.value: 0.0 for phase in Phase}
+    assert job_series(metrics, JOB) == []
+
+
+def test_a_running_job_has_its_series(metrics: OperatorMetrics) -> None:
+    metrics.job_status(JOB, status(Phase.RUNNING, gpus=16, replans=1, restarts=2))
+    assert job_series(metrics, JOB) == sorted([
+        ("memfit_job_phase", {"finetunejob": JOB, "phase": "Running"}, 1.0),
+        ("memfit_job_gpus", {"finetunejob": JOB}, 16.0),
+        ("memfit_job_replans", {"finetunejob": JOB}, 1.0),
+        ("memfit_job_restarts", {"finetunejob": JOB}, 2.0),
+    ])  # fmt: skip
+    assert jobs_by_phase(metrics) == {p.value: float(p is Phase.RUNNING) for p in Phase}
+
+
+@pytest.mark.parametrize("phase", [Phase.LAUNCHING, Phase.RUNNING, Phase.RESTARTING])
+def test_gpus_are_reported_while_pods_exist(metrics: OperatorMetrics, phase: Phase) -> None:
+    metrics.job_status(JOB, status(phase, gpus=8))
+    assert value(metrics, "memfit_job_gpus", finetunejob=JOB) == 8
+
+
+@pytest.mark.parametrize(
+    "phase", [Phase.PENDING, Phase.INVALID, Phase.UNSCHEDULABLE, Phase.SUSPENDED, Phase.SUCCEEDED, Phase.FAILED]
+)
+def test_gpus_disappear_when_no_pods_exist(metrics: OperatorMetrics, phase: Phase) -> None:
+    metrics.job_status(JOB, status(Phase.RUNNING, gpus=8))
+    metrics.job_status(JOB, status(phase, gpus=8))
+    assert value(metrics, "memfit_job_gpus", finetunejob=JOB) is None
+    assert value(metrics, "memfit_job_phase", finetunejob=JOB, phase=phase.value) == 1
+
+
+def test_a_phase_change_replaces_the_phase_series(metrics: OperatorMetrics) -> None:
+    metrics.job_status(JOB, status(Phase.LAUNCHING))
+    metrics.job_status(JOB, status(Phase.RUNNING))
+    metrics.job_status(JOB, status(Phase.SUCCEEDED))
+    phases = [labels["phase"] for name, labels, _ in job_series(metrics, JOB) if name == "memfit_job_phase"]
+    assert phases == ["Succeeded"]
+    assert jobs_by_phase(metrics)["Succeeded"] == 1 and jobs_by_phase(metrics)["Running"] == 0
+    assert sum(v or 0 for v in jobs_by_phase(metrics).values()) == 1
+
+
+def test_the_same_phase_twice_keeps_one_series_and_updates_counts(metrics: OperatorMetrics) -> None:
+    metrics.job_status(JOB, status(Phase.RUNNING, restarts=0))
+    metrics.job_status(JOB, status(Phase.RUNNING, restarts=1))
+    assert value(metrics, "memfit_job_restarts", finetunejob=JOB) == 1
+    assert jobs_by_phase(metrics)["Running"] == 1
+
+
+def test_a_status_without_a_phase_records_nothing(metrics: OperatorMetrics) -> None:
+    metrics.job_status(JOB, status(None))
+    assert job_series(metrics, JOB) == []
+    assert sum(v or 0 for v in jobs_by_phase(metrics).values()) == 0
+
+
+def test_jobs_are_counted_by_phase(metrics: OperatorMetrics) -> None:
+    metrics.job_status("a/one", status(Phase.RUNNING))
+    metrics.job_status("a/two", status(Phase.RUNNING))
+    metrics.job_status("b/three", status(Phase.INVALID, gpus=None))
+    counts = jobs_by_phase(metrics)
+    assert counts["Running"] == 2 and counts["Invalid"] == 1 and sum(v or 0 for v in counts.values()) == 3
+    metrics.job_status("a/two", status(Phase.FAILED))
+    counts = jobs_by_phase(metrics)
+    assert counts["Running"] == 1 and counts["Failed"] == 1 and sum(v or 0 for v in counts.values()) == 3
+
+
+def test_a_deleted_job_loses_every_series_and_its_count(metrics: OperatorMetrics) -> None:
+    metrics.job_status(JOB, status(Phase.RUNNING, replans=1, restarts=1))
+    metrics.job_status("other/job", status(Phase.RUNNING))
+    metrics.job_gone(JOB)
+    assert job_series(metrics, JOB) == []
+    assert jobs_by_phase(metrics)["Running"] == 1
+    assert value(metrics, "memfit_job_phase", finetunejob="other/job", phase="Running") == 1
+    metrics.job_gone(JOB)  # twice: harmless
+    metrics.job_gone("never/seen")  # never recorded: harmless
+    assert jobs_by_phase(metrics)["Running"] == 1
+
+
+def test_a_job_that_comes_back_after_deletion_starts_afresh(metrics: OperatorMetrics) -> None:
+    metrics.job_status(JOB, status(Phase.FAILED, restarts=3))
+    metrics.job_gone(JOB)
+    metrics.job_status(JOB, status(Phase.LAUNCHING, restarts=0))
+    assert value(metrics, "memfit_job_restarts", finetunejob=JOB) == 0
+    assert value(metrics, "memfit_job_phase", finetunejob=JOB, phase="Failed") is None
+    assert jobs_by_phase(metrics)["Launching"] == 1 and jobs_by_phase(metrics)["Failed"] == 0
+
+
+def test_registries_are_per_instance() -> None:
+    first, second = OperatorMetrics(), OperatorMetrics()
+    first.job_status(JOB, status(Phase.RUNNING))
+    assert second.registry.get_sample_value("memfit_operator_jobs", {"phase": "Running"}) == 0
+
+
+@pytest.fixture(scope="module")
+def plan() -> PlanCandidate:
+    import yaml
+
+    from memfit.api.finetunejob import FineTuneJobSpec
+
+    document = yaml.safe_load((ROOT / "examples" / "llama-3.1-8b-lora.yaml").read_text())
+    chosen = plan_job(
+        FineTuneJobSpec.model_validate(document["spec"]), load_documents(ROOT / "examples" / "inventory.yaml").pools
+    ).chosen
+    assert chosen is not None
+    return chosen
+
+
+def test_plans_are_counted_by_method_and_zero_stage(metrics: OperatorMetrics, plan: PlanCandidate) -> None:
+    labels = {"method": plan.strategy.method, "zero_stage": str(plan.strategy.zero_stage)}
+    assert value(metrics, "memfit_operator_plans_total", **labels) is None
+    metrics.plan_adopted(plan)
+    metrics.plan_adopted(plan)
+    assert value(metrics, "memfit_operator_plans_total", **labels) == 2
+    lora = plan.model_copy(update={"strategy": plan.strategy.model_copy(update={"method": "lora", "zero_stage": 0})})
+    metrics.plan_adopted(lora)
+    assert value(metrics, "memfit_operator_plans_total", method="lora", zero_stage="0") == 1
+    assert value(metrics, "memfit_operator_plans_total", **labels) == 2
+
+
+def test_fleet_counters_and_the_reconcile_histogram(metrics: OperatorMetrics) -> None:
+    assert value(metrics, "memfit_operator_restarts_total") == 0
+    assert value(metrics, "memfit_operator_oom_replans_total") == 0
+    metrics.restarts.inc()
+    metrics.oom_replans.inc()
+    metrics.oom_replans.inc()
+    metrics.handler_errors.labels("follow_job").inc()
+    metrics.reconcile_seconds.observe(0.003)
+    metrics.reconcile_seconds.observe(0.2)
+    assert value(metrics, "memfit_operator_restarts_total") == 1
+    assert value(metrics, "memfit_operator_oom_replans_total") == 2
+    assert value(metrics, "memfit_operator_handler_errors_total", handler="follow_job") == 1
+    assert value(metrics, "memfit_operator_reconcile_duration_seconds_count") == 2
+    assert value(metrics, "memfit_operator_reconcile_duration_seconds_bucket", le="0.005") == 1
+    assert value(metrics, "memfit_operator_reconcile_duration_seconds_bucket", le="0.25") == 2
+
+
+def test_the_exposition_names_match_the_module_docstring(metrics: OperatorMetrics) -> None:
+    metrics.job_status(JOB, status(Phase.RUNNING))
+    text = generate_latest(metrics.registry).decode()
+    for name in ("memfit_operator_jobs", "memfit_operator_plans_total", "memfit_operator_oom_replans_total",
+                 "memfit_operator_restarts_total", "memfit_operator_reconcile_duration_seconds",
+                 "memfit_operator_handler_errors_total", "memfit_job_phase", "memfit_job_gpus",
+                 "memfit_job_replans", "memfit_job_restarts"):  # fmt: skip
+        assert f"# TYPE {name} " in text, name

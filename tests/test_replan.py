@@ -1,0 +1,290 @@
+"""Re-planning after an out-of-memory failure (memfit.planner.replan): leaner, layout-keeping first."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from memfit.api.finetunejob import FineTuneJobSpec
+from memfit.api.gpupool import GPUPool
+from memfit.api.loading import load_documents
+from memfit.api.plan import PlanCandidate
+from memfit.planner.replan import (
+    LEANER_BY,
+    MAX_HEADROOM_PERCENT,
+    checkpoint_layout,
+    leaner_headroom_percent,
+    replan_after_oom,
+)
+from memfit.planner.search import plan_job
+
+ROOT = Path(__file__).parent.parent
+POOLS: list[GPUPool] = load_documents(ROOT / "examples" / "inventory.yaml").pools
+
+
+def spec(preset: str | None = None, **changes: Any) -> FineTuneJobSpec:
+    document = yaml.safe_load((ROOT / "examples" / "llama-3.1-8b-lora.yaml").read_text())["spec"]
+    if preset is not None:
+        document["model"]["architecture"] = {"preset": preset}
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(document.get(key), dict):
+            document[key] = {**document[key], **value}
+        else:
+            document[key] = value
+    return FineTuneJobSpec.model_validate(document)
+
+
+def first_plan(job: FineTuneJobSpec, pools: list[GPUPool] | None = None) -> PlanCandidate:
+    chosen = plan_job(job, POOLS if pools is None else pools).chosen
+    assert chosen is not None
+    return chosen
+
+
+def usable(plan: PlanCandidate, headroom_percent: float) -> int:
+    """The planner's per-GPU limit under ``headroom_percent``."""
+    return int(plan.gpu_memory_bytes * (1 - headroom_percent / 100))
+
+
+def with_total(plan: PlanCandidate, total: int) -> PlanCandidate:
+    """The same plan estimated at ``total`` bytes per GPU."""
+    per_gpu = plan.memory.per_gpu.model_copy(update={"total": total})
+    return plan.model_copy(update={"memory": plan.memory.model_copy(update={"per_gpu": per_gpu})})
+
+
+def global_batch(plan: PlanCandidate) -> int:
+    s = plan.strategy
+    return s.micro_batch_size * s.gradient_accumulation_steps * s.gpus
+
+
+# ------------------------------------------------------------------------------------------------
+# checkpoint_layout
+# ------------------------------------------------------------------------------------------------
+
+
+def test_checkpoint_layout_is_method_precision_zero_stage_and_gpu_count() -> None:
+    plan = first_plan(spec())
+    s = plan.strategy
+    assert checkpoint_layout(plan) == (s.method, s.precision, s.zero_stage, s.gpus)
+    assert checkpoint_layout(plan) == ("full", "bf16", 2, 8)
+
+
+def test_checkpoint_layout_ignores_knobs_that_do_not_change_the_checkpoint() -> None:
+    plan = first_plan(spec())
+    strategy = plan.strategy.model_copy(
+        update={
+            "gradient_checkpointing": True,
+            "micro_batch_size": 2,
+            "gradient_accumulation_steps": 4,
+            "offload_optimizer": "cpu",
+            "attention": "eager",
+            "nodes": 2,
+            "gpus_per_node": 4,
+        }  # fmt: skip
+    )
+    assert checkpoint_layout(plan.model_copy(update={"strategy": strategy})) == checkpoint_layout(plan)
+
+
+@pytest.mark.parametrize("update", [{"method": "lora"}, {"precision": "fp16"}, {"zero_stage": 3}, {"gpus_per_node": 4}])
+def test_checkpoint_layout_changes_with_each_of_its_parts(update: dict[str, Any]) -> None:
+    plan = first_plan(spec())
+    changed = plan.model_copy(update={"strategy": plan.strategy.model_copy(update=update)})
+    assert checkpoint_layout(changed) != checkpoint_layout(plan)
+
+
+# ------------------------------------------------------------------------------------------------
+# leaner_headroom_percent
+# ------------------------------------------------------------------------------------------------
+
+
+def test_leaner_headroom_is_the_failed_share_less_leaner_by() -> None:
+    job = spec()
+    plan = first_plan(job)
+    used = plan.memory.per_gpu.total / plan.gpu_memory_bytes
+    assert leaner_headroom_percent(job, plan) == pytest.approx(100 * (1 - used * (1 - LEANER_BY)))
+    assert leaner_headroom_percent(job, plan) > job.resources.memory_headroom_percent
+
+
+def test_under_the_leaner_headroom_the_failed_estimate_no_longer_fits_and_ten_percent_less_does() -> None:
+    job = spec()
+    plan = first_plan(job)
+    limit = usable(plan, leaner_headroom_percent(job, plan))
+    total = plan.memory.per_gpu.total
+    assert total > limit
+    assert int(total * (1 - LEANER_BY)) - 1 <= limit <= int(total * (1 - LEANER_BY)) + 1
+
+
+@pytest.mark.parametrize("share", [0.5, 0.8, 0.95, 0.999])
+def test_leaner_headroom_for_several_failed_shares(share: float) -> None:
+    job = spec()
+    plan = first_plan(job)
+    failed = with_total(plan, int(plan.gpu_memory_bytes * share))
+    headroom = leaner_headroom_percent(job, failed)
+    assert headroom == pytest.approx(100 * (1 - share * (1 - LEANER_BY)), abs=1e-6)
+    assert usable(failed, headroom) < failed.memory.per_gpu.total
+
+
+def test_leaner_headroom_never_drops_below_the_specs_headroom() -> None:
+    job = spec(resources={"memoryHeadroomPercent": 60})
+    plan = first_plan(spec())
+    failed = with_total(plan, int(plan.gpu_memory_bytes * 0.3))  # would ask for 73%
+    assert leaner_headroom_percent(job, failed) == pytest.approx(73.0, abs=1e-6)
+    failed = with_total(plan, int(plan.gpu_memory_bytes * 0.9))  # would ask for 19%
+    assert leaner_headroom_percent(job, failed) == 60
+
+
+def test_leaner_headroom_is_capped_at_the_apis_bound() -> None:
+    job = spec()
+    plan = first_plan(job)
+    tiny = with_total(plan, int(plan.gpu_memory_bytes * 0.05))
+    assert leaner_headroom_percent(job, tiny) == MAX_HEADROOM_PERCENT
+    assert MAX_HEADROOM_PERCENT < 90  # the API's bound: memoryHeadroomPercent < 90
+    # The capped headroom is itself a valid spec.
+    FineTuneJobSpec.model_validate(
+        {**job.to_api(), "resources": {"memoryHeadroomPercent": leaner_headroom_percent(job, tiny)}}
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# replan_after_oom
+# ------------------------------------------------------------------------------------------------
+
+
+def test_the_first_replan_of_the_example_keeps_the_layout_and_is_leaner() -> None:
+    job = spec()
+    failed = first_plan(job)
+    result, kept = replan_after_oom(job, POOLS, failed, [failed.strategy.summary()])
+    chosen = result.chosen
+    assert chosen is not None and kept is True
+    assert checkpoint_layout(chosen) == checkpoint_layout(failed)
+    assert chosen.strategy.pool == failed.strategy.pool
+    assert chosen.memory.per_gpu.total <= failed.memory.per_gpu.total * (1 - LEANER_BY)
+    assert chosen.strategy.summary() != failed.strategy.summary()
+    assert global_batch(chosen) == job.training.global_batch_size
+
+
+def test_a_chain_of_replans_gets_strictly_leaner_and_honours_every_exclusion() -> None:
+    job = spec()
+    failed = first_plan(job)
+    excluded = [failed.strategy.summary()]
+    seen_change = False
+    for _ in range(8):
+        result, kept = replan_after_oom(job, POOLS, failed, excluded)
+        chosen = result.chosen
+        if chosen is None:
+            break
+        assert chosen.strategy.summary() not in excluded
+        assert chosen.memory.per_gpu.total <= failed.memory.per_gpu.total * (1 - LEANER_BY) + 1
+        assert kept == (checkpoint_layout(chosen) == checkpoint_layout(failed))
+        assert chosen.strategy.gpus <= 8  # spec.resources.maxGPUs
+        assert global_batch(chosen) == job.training.global_batch_size
+        seen_change = seen_change or not kept
+        failed = chosen
+        excluded.append(chosen.strategy.summary())
+    assert len(excluded) >= 4 and seen_change
+
+
+def test_layout_is_kept_whenever_some_same_layout_strategy_fits() -> None:
+    """When kept is False, no strategy with the failed layout fits under the leaner headroom."""
+    job = spec()
+    failed = first_plan(job)
+    excluded = [failed.strategy.summary()]
+    for _ in range(8):
+        result, kept = replan_after_oom(job, POOLS, failed, excluded)
+        if result.chosen is None:
+            break
+        if not kept:
+            headroom = leaner_headroom_percent(job, failed)
+            tight = job.model_copy(
+                update={"resources": job.resources.model_copy(update={"memory_headroom_percent": headroom})}
+            )
+            # Search wide (no method/precision pins) and look for any fitting same-layout candidate.
+            every = plan_job(tight, POOLS, exclude=excluded)
+            same = [c for c in every.candidates if checkpoint_layout(c) == checkpoint_layout(failed)]
+            assert same == [], f"{same[0].strategy.summary()} keeps the layout and fits"
+        failed = result.chosen
+        excluded.append(failed.strategy.summary())
+
+
+def test_a_pinned_method_is_never_lightened() -> None:
+    job = spec(method="full")
+    failed = first_plan(job)
+    excluded = [failed.strategy.summary()]
+    for _ in range(10):
+        result, _ = replan_after_oom(job, POOLS, failed, excluded)
+        if result.chosen is None:
+            break
+        assert result.chosen.strategy.method == "full"
+        failed = result.chosen
+        excluded.append(failed.strategy.summary())
+
+
+def test_auto_may_move_to_a_lighter_method_once_full_is_spent() -> None:
+    # Full fine-tuning of the 8B model on one L4 cannot fit at all: auto plans LoRA or QLoRA there.
+    job = spec(resources={"pool": "l4", "maxGPUs": 1})
+    failed = first_plan(job)
+    assert failed.strategy.method in ("lora", "qlora")
+    methods = {failed.strategy.method}
+    excluded = [failed.strategy.summary()]
+    for _ in range(10):
+        result, _ = replan_after_oom(job, POOLS, failed, excluded)
+        if result.chosen is None:
+            break
+        assert result.chosen.memory.per_gpu.total < failed.memory.per_gpu.total
+        failed = result.chosen
+        methods.add(failed.strategy.method)
+        excluded.append(failed.strategy.summary())
+    assert "full" not in methods
+
+
+def test_the_failed_strategy_is_excluded_even_where_it_would_fit_again() -> None:
+    job = spec()
+    failed = first_plan(job)
+    result, _ = replan_after_oom(job, POOLS, failed, [failed.strategy.summary()])
+    assert all(c.strategy.summary() != failed.strategy.summary() for c in result.candidates)
+
+
+def test_replan_respects_the_specs_pool_restriction() -> None:
+    job = spec(resources={"pool": "a100-80gb", "maxGPUs": 8})
+    failed = first_plan(job)
+    excluded = [failed.strategy.summary()]
+    for _ in range(6):
+        result, _ = replan_after_oom(job, POOLS, failed, excluded)
+        if result.chosen is None:
+            break
+        assert result.chosen.strategy.pool == "a100-80gb" and result.chosen.strategy.gpus <= 8
+        failed = result.chosen
+        excluded.append(failed.strategy.summary())
+
+
+def test_nothing_leaner_gives_no_plan_advice_and_kept_false() -> None:
+    job = spec(
+        method="full",
+        training={"globalBatchSize": 8, "precision": "bf16"},
+        resources={"pool": "a100-80gb", "maxGPUs": 8},
+        strategy={"zeroStage": 3, "offloadOptimizer": "cpu", "offloadParameters": "cpu", "gradientCheckpointing": True},
+    )
+    failed = first_plan(job)
+    result, kept = replan_after_oom(job, POOLS, failed, [failed.strategy.summary()])
+    assert result.chosen is None and kept is False and result.advice
+
+
+def test_replan_does_not_change_the_spec_it_is_given() -> None:
+    job = spec()
+    before = job.to_api()
+    failed = first_plan(job)
+    replan_after_oom(job, POOLS, failed, [failed.strategy.summary()])
+    assert job.to_api() == before
+
+
+def test_a_user_pinned_micro_batch_still_gives_an_exact_global_batch() -> None:
+    """The planner keeps training.globalBatchSize exact (micro-batch x accumulation x GPUs), pinned
+    micro-batch or not; a re-plan inherits whatever the first plan does."""
+    job = spec(strategy={"microBatchSize": 2})
+    failed = first_plan(job)
+    assert failed.strategy.micro_batch_size == 2
+    assert global_batch(failed) == 64, f"{failed.strategy.summary()} trains {global_batch(failed)} sequences/step"
+    result, _ = replan_after_oom(job, POOLS, failed, [failed.strategy.summary()])
+    assert result.chosen is not None and global_batch(result.chosen) == 64
