@@ -144,7 +144,9 @@ class JobFollower:
         status = FineTuneJobStatus.model_validate(job["status"] or {})
         await self._read_progress(status, pods)
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        decision = reconcile(Observation(job, pods, pools, self.progress, now), self.runtime.settings.trainer_image)
+        observation = Observation(job, pods, pools, self.progress, now)
+        # Planning is CPU work (milliseconds to tens of them): off the event loop, so watches and probes stay live.
+        decision = await asyncio.to_thread(reconcile, observation, self.runtime.settings.trainer_image)
         self.progress = None
         await self._apply(body, job["status"] or {}, decision)
 

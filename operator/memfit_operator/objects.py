@@ -184,6 +184,15 @@ def _environment(job: FineTuneJob) -> list[dict[str, Any]]:
     return env
 
 
+def metrics_ports(ranks_per_node: int) -> list[dict[str, Any]]:
+    """One container port per local rank (rank r serves on METRICS_PORT + r): `metrics` for rank 0, then
+    `metrics-1`, ... so a PodMonitor scrapes every GPU of the node, not only the first."""
+    return [
+        {"name": "metrics" if rank == 0 else f"metrics-{rank}", "containerPort": METRICS_PORT + rank}
+        for rank in range(ranks_per_node)
+    ]
+
+
 def trainer_pod(
     job: FineTuneJob, plan: PlanCandidate, pool: GPUPool, attempt: int, node_rank: int, image: str
 ) -> dict[str, Any]:
@@ -238,7 +247,7 @@ def trainer_pod(
                     "env": _environment(job),
                     "ports": [
                         {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT},
-                        {"name": "metrics", "containerPort": METRICS_PORT},
+                        *metrics_ports(strategy.gpus_per_node),
                     ],
                     "resources": {"limits": {GPU_RESOURCE: gpus}, "requests": {GPU_RESOURCE: gpus}},
                     "volumeMounts": mounts,

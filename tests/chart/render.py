@@ -28,19 +28,23 @@ def chart() -> helm_python.Chart:
     return helm_python.Chart.load(CHART)
 
 
-def render_files(values: dict[str, Any] | None = None, *, api_versions: tuple[str, ...] = ()) -> dict[str, str]:
+def render_files(
+    values: dict[str, Any] | None = None, *, api_versions: tuple[str, ...] = (), kube_version: str = KUBE_VERSION
+) -> dict[str, str]:
     """Template path -> rendered text. Chart.render() does not expose the capabilities, so the call goes to
-    the library's render entry point with the same options `helm template --api-versions` sets."""
-    options = {"name": RELEASE, "namespace": NAMESPACE, "is_install": True, "kube_version": KUBE_VERSION,
+    the library's render entry point with the same options `helm template --api-versions --kube-version` set."""
+    options = {"name": RELEASE, "namespace": NAMESPACE, "is_install": True, "kube_version": kube_version,
                "api_versions": list(api_versions)}  # fmt: skip
     payload = _native.call_string("helm_render", chart()._raw(), json.dumps(values or {}), json.dumps(options))
     return json.loads(payload)
 
 
-def render(values: dict[str, Any] | None = None, *, api_versions: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+def render(
+    values: dict[str, Any] | None = None, *, api_versions: tuple[str, ...] = (), kube_version: str = KUBE_VERSION
+) -> list[dict[str, Any]]:
     """Every object the templates produce (NOTES.txt excluded); CRDs are in :func:`chart_crds`."""
     objects = []
-    for path, text in sorted(render_files(values, api_versions=api_versions).items()):
+    for path, text in sorted(render_files(values, api_versions=api_versions, kube_version=kube_version).items()):
         if path.endswith("NOTES.txt"):
             continue
         objects.extend(doc for doc in yaml.safe_load_all(text) if doc)

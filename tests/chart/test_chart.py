@@ -277,7 +277,9 @@ def test_podmonitor_selects_the_trainer_pods_metrics_ports() -> None:
     assert keep["sourceLabels"] == ["__meta_kubernetes_pod_container_port_name"]
     kept = {p["containerPort"] for c in pod["spec"]["containers"] for p in c["ports"]
             if re.fullmatch(keep["regex"], p["name"])}  # fmt: skip
-    assert kept == {operator_objects.METRICS_PORT}  # the rendezvous port is not scraped
+    ranks = int(pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
+    assert ranks > 1  # a multi-GPU node: every local rank's port is scraped, the rendezvous port is not
+    assert kept == {operator_objects.METRICS_PORT + rank for rank in range(ranks)}
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(operator_objects.METRICS_PORT)
     one_namespace = one(rendered("one-namespace"), "PodMonitor")
     assert one_namespace["spec"]["namespaceSelector"] == {"matchNames": ["research"]}

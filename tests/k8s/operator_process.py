@@ -21,7 +21,10 @@ def free_port() -> int:
 
 
 class OperatorProcess:
-    def __init__(self, kubeconfig: Path, log: Path, namespace: str, trainer_metrics_port: int, *extra: str) -> None:
+    def __init__(
+        self, kubeconfig: Path, log: Path, namespace: str | None, trainer_metrics_port: int, *extra: str
+    ) -> None:
+        """``namespace`` None: the whole cluster; ``extra``: more `memfit operator` flags."""
         self.metrics_port, self.health_port, self.log = free_port(), free_port(), log
         env = {
             **os.environ,
@@ -32,7 +35,8 @@ class OperatorProcess:
             "MEMFIT_TRAINER_IMAGE": "registry.example/memfit-trainer:test",
         }
         ports = ["--metrics-port", str(self.metrics_port), "--health-port", str(self.health_port)]
-        command = [sys.executable, "-m", "memfit.cli.main", "operator", "--namespace", namespace, *ports, *extra]
+        scope = ["--namespace", namespace] if namespace else []
+        command = [sys.executable, "-m", "memfit.cli.main", "operator", *scope, *ports, *extra]
         self._output = log.open("a")
         self.process = subprocess.Popen(command, env=env, stdout=self._output, stderr=subprocess.STDOUT)
         wait_for("the operator's /healthz", self.healthy, timeout=60)

@@ -28,7 +28,8 @@ Prometheus.
         description: >-
           The measured peak of tensors on this rank is above {{ mulf $a.gpuMemoryRatio 100 }}% of the GPU's
           memory: a longer batch or allocator fragmentation can run it out of memory (memfit then re-plans with
-          a smaller footprint and restarts from the last checkpoint). To act before that, lower
+          a smaller footprint and restarts, from the last checkpoint when the new plan keeps the checkpoint
+          layout, else from the model weights). To act before that, lower
           spec.strategy.microBatchSize or set resources.maxGPUs higher, and compare the plan with
           `kubectl get finetunejob -o yaml` (status.plan).
     - alert: MemfitGPUMemoryAbovePrediction
@@ -79,7 +80,8 @@ Prometheus.
       annotations:
         summary: "{{`{{ $labels.finetunejob }}`}} ran out of GPU memory and was re-planned {{`{{ $value }}`}} times"
         description: >-
-          Each out-of-memory exit made memfit pick a smaller plan and restart from the last checkpoint;
+          Each out-of-memory exit made memfit pick a smaller plan and restart (from the last checkpoint, or from
+          the model weights when the ZeRO stage or GPU count had to change);
           {{ $a.oomReplans }} or more mean its memory estimate for this job is off and time is lost on restarts.
           Look at the job's measured peak against the prediction (memfit job dashboard), set
           spec.strategy.microBatchSize or a method (lora, qlora) explicitly, and report the case.
