@@ -236,7 +236,7 @@ def _plan(run: _Pass, job: FineTuneJob) -> bool:
     except PlanningError as error:
         result, advice = None, str(error)
     else:
-        advice = " ".join(result.advice) or "no strategy fits the declared GPUPools"
+        advice = "; ".join(result.advice) or "no strategy fits the declared GPUPools"
     if result is None or result.chosen is None:
         message = f"nothing fits: {advice}"
         changed = run.condition("Planned", False, "Unschedulable", message)
@@ -395,7 +395,7 @@ def _replan_after_oom(
     status.excluded_strategies.append(plan.strategy.summary())
     result, layout_kept = replan_after_oom(job.spec, run.observation.pools, plan, status.excluded_strategies)
     if result.chosen is None:
-        advice = " ".join(result.advice)
+        advice = "; ".join(result.advice)
         _fail(run, "NoLeanerPlan", f"{why}; no leaner strategy fits the declared GPUPools. {advice}".strip())
         return
     status.replans += 1
