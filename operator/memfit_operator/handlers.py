@@ -26,7 +26,7 @@ from memfit.api.finetunejob import FineTuneJobStatus, Phase, Progress
 from memfit.api.gpupool import GPUPool
 from memfit.api.loading import describe_validation_error
 from memfit_operator.cluster_api import GROUP, JOBS, VERSION, ClusterApi, load_credentials
-from memfit_operator.metrics import OperatorMetrics
+from memfit_operator.metrics import FOLLOW_HANDLER, OperatorMetrics
 from memfit_operator.objects import ATTEMPT_LABEL, JOB_LABEL, RANK_LABEL
 from memfit_operator.progress import fetch_progress, rank0_address
 from memfit_operator.reconcile import ACTIVE, Decision, Observation, reconcile
@@ -211,7 +211,7 @@ async def follow_job(
                 pools = list(gpu_pools.get(None, []))
                 await follower.pass_once(body, pods, pools)
             except Exception:  # one bad pass must not end the job's daemon: log, count, retry next pass
-                runtime.metrics.handler_errors.labels("follow_job").inc()
+                runtime.metrics.handler_errors.labels(FOLLOW_HANDLER).inc()
                 logger.exception("reconcile pass failed; retrying")
             finally:
                 runtime.metrics.reconcile_seconds.observe(time.monotonic() - started)

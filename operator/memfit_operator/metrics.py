@@ -21,6 +21,8 @@ from memfit.api.plan import PlanCandidate
 RECONCILE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 """A pass is a few milliseconds of logic plus API calls; planning a large inventory takes ~50 ms."""
 PODS_EXIST = (Phase.LAUNCHING, Phase.RUNNING, Phase.RESTARTING)
+FOLLOW_HANDLER = "follow_job"
+"""The handler whose failed passes memfit_operator_handler_errors_total counts (the per-job daemon)."""
 
 
 class OperatorMetrics:
@@ -49,6 +51,7 @@ class OperatorMetrics:
                                   ["finetunejob"], registry=self.registry)  # fmt: skip
         self._job_restarts = Gauge("memfit_job_restarts", "Gang restarts of the FineTuneJob so far.",
                                    ["finetunejob"], registry=self.registry)  # fmt: skip
+        self.handler_errors.labels(FOLLOW_HANDLER)  # a 0 series from the start, not an absent one
         self._phases: dict[str, Phase] = {}
         for phase in Phase:
             self._jobs.labels(phase.value).set(0)

@@ -365,15 +365,38 @@ def _fail(run: _Pass, reason: str, message: str) -> None:
     run.event("Warning", "Failed", message)
 
 
+@dataclass(frozen=True)
+class _Budget:
+    """Restarts or re-plans: how many were used of how many the spec allows."""
+
+    used: int
+    allowed: int
+    noun: str
+    field: str
+    """The spec field that sets ``allowed``."""
+    spent_reason: str
+    """The condition reason when it is spent."""
+
+
+def _end_attempt(
+    run: _Pass, attempt: Attempt, pods: Sequence[Mapping[str, Any]], outcome: str, why: str, budget: _Budget
+) -> bool:
+    """Remove the attempt's pods and record how it ended; False (and the job Failed) when the budget is spent."""
+    run.delete_pods(pods)
+    _finish(run, attempt, outcome, why)
+    if budget.used < budget.allowed:
+        return True
+    _fail(run, budget.spent_reason, f"{why}; all {budget.allowed} {budget.noun} used (spec.{budget.field})")
+    return False
+
+
 def _restart(
     run: _Pass, job: FineTuneJob, plan: PlanCandidate, attempt: Attempt, pods: Sequence[Mapping[str, Any]], why: str
 ) -> None:
     """Gang semantics: one failed rank ends the attempt; the next starts from the last checkpoint."""
     status = run.status
-    run.delete_pods(pods)
-    _finish(run, attempt, "Failed", why)
-    if status.restarts >= job.spec.max_restarts:
-        _fail(run, "RestartLimitReached", f"{why}; all {job.spec.max_restarts} restart(s) used (spec.maxRestarts)")
+    budget = _Budget(status.restarts, job.spec.max_restarts, "restart(s)", "maxRestarts", "RestartLimitReached")
+    if not _end_attempt(run, attempt, pods, "Failed", why, budget):
         return
     status.restarts += 1
     run.decision.restarted = True
@@ -386,11 +409,9 @@ def _replan_after_oom(
 ) -> None:
     """Out of memory is not an ordinary failure: the same plan would fail again, so plan leaner."""
     status = run.status
-    run.delete_pods(pods)
-    _finish(run, attempt, "OutOfMemory", why)
     run.event("Warning", "OutOfMemory", f"{why} under {plan.strategy.summary()}")
-    if status.replans >= job.spec.max_replans:
-        _fail(run, "ReplanLimitReached", f"{why}; all {job.spec.max_replans} re-plan(s) used (spec.maxReplans)")
+    budget = _Budget(status.replans, job.spec.max_replans, "re-plan(s)", "maxReplans", "ReplanLimitReached")
+    if not _end_attempt(run, attempt, pods, "OutOfMemory", why, budget):
         return
     status.excluded_strategies.append(plan.strategy.summary())
     result, layout_kept = replan_after_oom(job.spec, run.observation.pools, plan, status.excluded_strategies)

@@ -4,8 +4,6 @@ and `kubectl get` (the server-side table) shows the printer columns."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
@@ -13,14 +11,8 @@ from kubernetes.client.rest import ApiException
 from memfit.api.loading import load_documents
 from memfit.planner.search import plan_job
 from memfit_operator.status import memory_per_gpu, progress_display
-from tests.k8s.apiserver import ApiServer, running_apiserver
+from tests.k8s.apiserver import ApiServer
 from tests.k8s.cluster import GROUP, ROOT, VERSION, example, install_crds, server_table
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ApiServer]:
-    with running_apiserver() as running:
-        yield running
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,9 @@ Targets:
 * the trainer's own ``TrainerMetrics`` for a job on a "GPU": this machine has none, so PyTorch's CUDA
   allocator readings are stubbed; names, labels and the plan's predictions (with the GPU's peak FLOP/s,
   hence MFU) are the real code's. The GPU memory panels and the memory alerts need this target;
-* the operator's ``OperatorMetrics`` with a few jobs recorded (one of them the running tiny job).
+* `memfit operator` itself, following a small fleet on a real kube-apiserver (tests/k8s): the tiny job
+  (running after one out-of-memory re-plan; the operator reads its progress from the real rank 0), the
+  GPU job (running), a failed one and an unschedulable one; the test plays the kubelet.
 
 Every dashboard query for the tiny job (the GPU-only ones for the GPU job), every recording rule and every
 alert's signal (its expression without the threshold) must return data; whole alert expressions must be
@@ -16,6 +18,7 @@ accepted; Prometheus must report every rule healthy.
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import socket
@@ -26,18 +29,30 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from kubernetes import client, config
 
-from memfit.api.finetunejob import FineTuneJobStatus, Phase
-from memfit_operator.metrics import OperatorMetrics
 from memfit_trainer.config import MetricsConfig, PredictionConfig, TrainerConfig
 from memfit_trainer.metrics import TrainerMetrics
 from memfit_trainer.progress import read_progress
 from tests.chart.render import ROOT, rule_groups
+from tests.k8s.apiserver import running_apiserver
+from tests.k8s.cluster import (
+    GROUP,
+    VERSION,
+    Kubelet,
+    create_namespace,
+    example,
+    grant_operator_role,
+    install_crds,
+    wait_for,
+)
+from tests.k8s.operator_process import OperatorProcess
 from tests.monitoring.expressions import dashboard_queries, dump, metric_names, rules, signal, tool, with_variables
 from tests.trainer.runs import torchrun_command, trainer_env
 
@@ -127,20 +142,49 @@ class GPURank:
         self.metrics.close()
 
 
-def operator_metrics(port: int) -> OperatorMetrics:
-    """The operator's registry with the jobs a fleet has: the tiny run (after an OOM re-plan), a failed one."""
-    metrics = OperatorMetrics()
-    metrics.serve(port)
-    metrics.job_status(CPU_JOB, FineTuneJobStatus(phase=Phase.RUNNING, gpus=2, replans=1, restarts=1))
-    metrics.job_status(GPU_JOB, FineTuneJobStatus(phase=Phase.RUNNING, gpus=1))
-    metrics.job_status("research/broken", FineTuneJobStatus(phase=Phase.FAILED, replans=3))
-    metrics.job_status("research/queued", FineTuneJobStatus(phase=Phase.PENDING))
-    metrics.plans.labels("full", "1").inc()
-    metrics.oom_replans.inc()
-    metrics.restarts.inc()
-    metrics.reconcile_seconds.observe(0.02)
-    metrics.handler_errors.labels("reconcile").inc()
-    return metrics
+def job(name: str, **spec: Any) -> dict[str, Any]:
+    manifest = copy.deepcopy(example("llama-3.1-8b-lora.yaml")[0])
+    manifest["metadata"].update(name=name, namespace="default")
+    manifest["spec"].update(spec)
+    return manifest
+
+
+def operator_fleet(stack: ExitStack, tmp_path: Path, trainer_port: int) -> OperatorProcess:
+    """A real operator on a real API server with the jobs a fleet has (see the module docstring)."""
+    server = stack.enter_context(running_apiserver())
+    api = config.new_client_from_config(str(server.kubeconfig))
+    install_crds(api)
+    grant_operator_role(api)
+    create_namespace(api, "default")
+    objects, kubelet = client.CustomObjectsApi(api), Kubelet(api)
+    for pool in example("inventory.yaml"):
+        objects.create_cluster_custom_object(GROUP, VERSION, "gpupools", pool)
+    operator = OperatorProcess(server.operator_kubeconfig, tmp_path / "operator.log", "default", trainer_port,
+                               "--standalone")  # fmt: skip
+    stack.callback(operator.stop)
+    for manifest in (
+        job("tiny"),
+        job("gpu-job"),
+        job("broken", maxRestarts=0),
+        job("queued", resources={"pool": "none"}),
+    ):
+        objects.create_namespaced_custom_object(GROUP, VERSION, "default", "finetunejobs", manifest)
+    core = client.CoreV1Api(api)
+
+    def pod(name: str, attempt: int) -> str:
+        selector = f"memfit.dev/job={name},memfit.dev/attempt={attempt}"
+        return wait_for(
+            f"{name} attempt {attempt}", lambda: core.list_namespaced_pod("default", label_selector=selector).items
+        )[0].metadata.name
+
+    oom = json.dumps(
+        {"reason": "OutOfMemory", "step": 2, "measuredPeakBytes": 81 * 2**30, "plannedPeakBytes": 66 * 2**30}
+    )
+    kubelet.terminate("default", pod("tiny", 1), 1, message=oom)
+    kubelet.run("default", pod("tiny", 2))
+    kubelet.run("default", pod("gpu-job", 1))
+    kubelet.terminate("default", pod("broken", 1), 1)
+    return operator
 
 
 class Prometheus:
@@ -197,13 +241,14 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Promethe
     assert prometheus_binary
     tmp_path = tmp_path_factory.mktemp("live")
     monkeypatch = pytest.MonkeyPatch()
-    rank0, rank1, gpu_port, operator_port = free_ports(4)
+    rank0, rank1, gpu_port = free_ports(3)
     config_path = tiny_run_config(tmp_path, rank0)
     config = TrainerConfig.model_validate_json(config_path.read_text())
     gpu = GPURank(config, gpu_port, monkeypatch)
-    operator_metrics(operator_port)
+    stack = ExitStack()
+    operator = operator_fleet(stack, tmp_path, rank0)
     prometheus = Prometheus(tmp_path, [f"127.0.0.1:{p}" for p in (rank0, rank1, gpu_port)],
-                            f"127.0.0.1:{operator_port}")  # fmt: skip
+                            f"127.0.0.1:{operator.metrics_port}")  # fmt: skip
     run = subprocess.Popen(torchrun_command(config_path), env=trainer_env(), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
@@ -229,6 +274,7 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Promethe
         gpu.close()
         monkeypatch.undo()
         prometheus.stop()
+        stack.close()
 
 
 def test_every_dashboard_query_returns_data(scraped: tuple[Prometheus, float]) -> None:
