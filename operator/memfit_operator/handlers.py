@@ -21,6 +21,7 @@ from typing import Any
 
 import aiohttp
 import kopf
+from pydantic import ValidationError
 
 from memfit.api.finetunejob import FineTuneJobStatus, Phase, Progress
 from memfit.api.gpupool import GPUPool
@@ -105,10 +106,9 @@ def gpu_pools(name: str, body: kopf.Body, logger: logging.Logger, **_: Any) -> d
     """Every valid GPUPool under one key; an invalid one is left out with a log line (the API server's schema
     already refuses most mistakes, so this is the cross-field checks)."""
     try:
-        pool = GPUPool.model_validate({k: _plain(body[k]) for k in ("apiVersion", "kind", "metadata", "spec")})
-    except (ValueError, KeyError) as error:
-        message = describe_validation_error(error) if hasattr(error, "errors") else str(error)
-        logger.warning(f"GPUPool {name} is ignored: {message}")
+        pool = GPUPool.model_validate({k: _plain(body.get(k)) for k in ("apiVersion", "kind", "metadata", "spec")})
+    except ValidationError as error:
+        logger.warning(f"GPUPool {name} is ignored: {describe_validation_error(error)}")
         return {}
     return {None: pool}
 

@@ -31,6 +31,7 @@ from memfit.planner.throughput import peak_flops
 from memfit.render.trainer_config import render_trainer_config
 from memfit_operator.objects import ATTEMPT_LABEL, attempt_objects, pod_name
 from memfit_operator.status import (
+    GangState,
     PodOutcome,
     gang_state,
     memory_per_gpu,
@@ -319,7 +320,7 @@ def _follow(run: _Pass, job: FineTuneJob, plan: PlanCandidate, attempt: Attempt)
     present = {p["metadata"]["name"] for p in pods}
     missing = [name for name in (pod_name(job, attempt.number, r) for r in range(nodes)) if name not in present]
     if missing and run.status.phase is Phase.RUNNING and gang.outcome is not PodOutcome.SUCCEEDED:
-        gang = gang.__class__(PodOutcome.FAILED, f"pod(s) {', '.join(missing)} deleted while running")
+        gang = GangState(PodOutcome.FAILED, f"pod(s) {', '.join(missing)} deleted while running")
     if gang.outcome is PodOutcome.OUT_OF_MEMORY:
         _replan_after_oom(run, job, plan, attempt, pods, gang.reason)
     elif gang.outcome is PodOutcome.FAILED:
