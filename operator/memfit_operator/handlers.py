@@ -35,6 +35,9 @@ from memfit_operator.settings import OperatorSettings
 
 MANAGED_BY = "app.kubernetes.io/managed-by=memfit"
 WAKEUP_HANDLERS = ("'pod_changed'", "'job_changed'")
+INDEX_LAG_SECONDS = 30.0
+"""How long an object this daemon created is not created again: the pod index learns of a new pod from
+the watch a moment later, and the pass that our own status write triggers comes before that."""
 log = logging.getLogger("memfit.operator")
 
 
@@ -137,6 +140,8 @@ class JobFollower:
         """The status as this daemon last wrote it: newer than the watched body until the watch catches up."""
         self.progress: Progress | None = None
         self.progress_read_at = 0.0
+        self.created: dict[tuple[str, str], float] = {}
+        """(kind, name) -> when this daemon created it (or found it existing)."""
 
     async def pass_once(self, body: kopf.Body, pods: list[dict[str, Any]], pools: list[GPUPool]) -> None:
         job = {key: _plain(body.get(key)) for key in ("apiVersion", "kind", "metadata", "spec")}
@@ -174,8 +179,13 @@ class JobFollower:
             self.written = after
         for pod in decision.delete:
             await asyncio.to_thread(cluster.delete_pod, self.namespace, pod)
+        now = time.monotonic()
         for manifest in decision.create:
+            key = (manifest["kind"], manifest["metadata"]["name"])
+            if now - self.created.get(key, -INDEX_LAG_SECONDS) < INDEX_LAG_SECONDS:
+                continue  # created moments ago: the pod index has not seen it yet, asking again is a sure 409
             await asyncio.to_thread(cluster.create, manifest)
+            self.created[key] = now
         for event in decision.events:
             kopf.event(body, type=event.type, reason=event.reason, message=event.message[:1000])
         if decision.planned is not None:
