@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import celpy
 import pytest
 import yaml
 
@@ -13,7 +14,8 @@ from memfit.api.finetunejob import FineTuneJobSpec
 from memfit.api.plan import PlanStrategy
 from memfit.strategy import Strategy
 
-CRDS = Path(__file__).parent.parent / "crds"
+ROOT = Path(__file__).parent.parent
+CRDS = ROOT / "crds"
 
 
 @pytest.mark.parametrize("name", sorted(CRD_FILES))
@@ -85,3 +87,27 @@ def test_spec_defaults_in_crd_equal_model_defaults() -> None:
 
 def test_api_strategy_and_compute_strategy_have_the_same_fields() -> None:
     assert list(PlanStrategy.model_fields) == list(Strategy.__dataclass_fields__)
+
+
+def _immutability_rule() -> tuple[str, dict]:
+    crd = yaml.safe_load((CRDS / "memfit.dev_finetunejobs.yaml").read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    [validation] = spec["x-kubernetes-validations"]
+    return validation["rule"], FineTuneJobSpec.model_validate(yaml.safe_load(
+        (ROOT / "examples" / "llama-3.1-8b-lora.yaml").read_text())["spec"]).to_api()  # fmt: skip
+
+
+@pytest.mark.parametrize("field", [f.alias or n for n, f in FineTuneJobSpec.model_fields.items()])
+def test_the_cel_rule_lets_only_suspend_change(field: str) -> None:
+    """The CRD's transition rule (Kubernetes 1.25+, which the test API server predates), evaluated by a CEL
+    implementation on a defaulted spec, as the API server sees it: suspend may change, nothing else."""
+    rule, old = _immutability_rule()
+    environment = celpy.Environment()
+    program = environment.program(environment.compile(rule))
+    changed = json.loads(json.dumps(old))
+    value = changed[field]
+    changed[field] = (not value if isinstance(value, bool) else value + 1 if isinstance(value, int)
+                      else f"{value}-other" if isinstance(value, str) else {**value, "changed": True})  # fmt: skip
+    allowed = program.evaluate({"self": celpy.json_to_cel(changed), "oldSelf": celpy.json_to_cel(old)})
+    assert bool(allowed) is (field == "suspend")
+    assert bool(program.evaluate({"self": celpy.json_to_cel(old), "oldSelf": celpy.json_to_cel(old)}))
