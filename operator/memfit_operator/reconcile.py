@@ -292,8 +292,8 @@ def _launch(run: _Pass, job: FineTuneJob, plan: PlanCandidate, phase: Phase, lay
     run.decision.create.extend(_attempt_objects(job, plan, pool, number, run.image))
     run.phase(phase)
     origin = f"from checkpoint step {resumed}" if resumed is not None else "from the model weights"
-    starting = f"attempt {number}: {plan.strategy.nodes} node rank(s) starting {origin}"
-    run.condition("Running", False, "Launching", starting)
+    # The words the next pass uses while no rank has started, so a repeated pass writes nothing new.
+    run.condition("Running", False, "Launching", f"attempt {number}: {gang_state([], plan.strategy.nodes).reason}")
     run.event("Normal", "Launching", f"attempt {number} ({plan.strategy.summary()}), starting {origin}")
 
 
@@ -331,7 +331,17 @@ def _follow(run: _Pass, job: FineTuneJob, plan: PlanCandidate, attempt: Attempt)
         if run.phase(Phase.RUNNING):
             run.event("Normal", "Running", f"attempt {attempt.number}: {gang.reason}")
         run.condition("Running", True, "Running", f"attempt {attempt.number}: {gang.reason}")
-    elif missing:  # launching: (re)create what is not there yet; existing objects are left alone
+    else:
+        _wait_for_ranks(run, job, plan, attempt, missing, gang.reason)
+
+
+def _wait_for_ranks(
+    run: _Pass, job: FineTuneJob, plan: PlanCandidate, attempt: Attempt, missing: list[str], why: str
+) -> None:
+    """Launching: (re)create what is not there yet (existing objects are left alone) and say what the
+    gang waits for (ranks not started, the scheduler's reason)."""
+    run.condition("Running", False, "Launching", f"attempt {attempt.number}: {why}")
+    if missing:
         wanted = set(missing)
         pool = _pool(run, plan.strategy.pool)
         objects = _attempt_objects(job, plan, pool, attempt.number, run.image) if pool is not None else []

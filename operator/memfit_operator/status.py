@@ -123,7 +123,17 @@ def report_pod(pod: Mapping[str, Any]) -> PodReport:
                                                   f"({terminated.get('reason') or 'Error'})")  # fmt: skip
     if phase == "Failed":
         return PodReport(name, PodOutcome.FAILED, f"{name}: {status.get('reason') or 'failed'}")
+    if phase == "Pending":
+        return PodReport(name, PodOutcome.PENDING, _unschedulable(name, status))
     return PodReport(name, PodOutcome(phase) if phase in PodOutcome.__members__.values() else PodOutcome.PENDING)
+
+
+def _unschedulable(name: str, status: Mapping[str, Any]) -> str:
+    """The scheduler's word on a pending pod (e.g. no node with free GPUs), or nothing."""
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
+            return f"{name} not scheduled: {condition.get('message') or condition.get('reason') or 'unschedulable'}"
+    return ""
 
 
 @dataclass(frozen=True)
@@ -144,10 +154,9 @@ def gang_state(reports: Iterable[PodReport], expected: int) -> GangState:
         return GangState(PodOutcome.SUCCEEDED, f"all {expected} node ranks finished")
     if len(reports) == expected and all(r.outcome in (PodOutcome.RUNNING, PodOutcome.SUCCEEDED) for r in reports):
         return GangState(PodOutcome.RUNNING, f"{expected} node ranks running")
-    return GangState(
-        PodOutcome.PENDING,
-        f"{sum(r.outcome is not PodOutcome.PENDING for r in reports)} of {expected} node ranks started",
-    )
+    started = f"{sum(r.outcome is not PodOutcome.PENDING for r in reports)} of {expected} node ranks started"
+    waiting = [r.reason for r in reports if r.outcome is PodOutcome.PENDING and r.reason]
+    return GangState(PodOutcome.PENDING, "; ".join([started, *waiting[:1]]))
 
 
 def memory_per_gpu(plan: PlanCandidate) -> str:

@@ -68,3 +68,18 @@ def test_gang_is_running_only_when_every_rank_runs() -> None:
 def test_progress_column() -> None:
     assert progress_display(420, 1000) == "42% 420/1000"
     assert progress_display(7, None) == "step 7"
+
+
+def test_a_pending_gang_says_what_the_scheduler_said() -> None:
+    waiting = pod("n1", "Pending")
+    why = "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."
+    waiting["status"]["conditions"] = [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": why}
+    ]
+    gang = gang_state([report_pod(pod("n0", "Running")), report_pod(waiting)], 2)
+    assert gang.outcome is PodOutcome.PENDING
+    assert (
+        gang.reason
+        == "1 of 2 node ranks started; n1 not scheduled: 0/4 nodes are available: 4 Insufficient nvidia.com/gpu."
+    )
+    assert gang_state([report_pod(pod("n0", "Pending"))], 1).reason == "0 of 1 node ranks started"
