@@ -321,7 +321,12 @@ def _follow(run: _Pass, job: FineTuneJob, plan: PlanCandidate, attempt: Attempt)
     missing = [name for name in (pod_name(job, attempt.number, r) for r in range(nodes)) if name not in present]
     if missing and run.status.phase is Phase.RUNNING and gang.outcome is not PodOutcome.SUCCEEDED:
         gang = GangState(PodOutcome.FAILED, f"pod(s) {', '.join(missing)} deleted while running")
-    if gang.outcome is PodOutcome.OUT_OF_MEMORY:
+    if gang.outcome is PodOutcome.CONFIG_ERROR:
+        run.delete_pods(pods)
+        _finish(run, attempt, "ConfigError", gang.reason)
+        _fail(run, "TrainerConfigError", f"{gang.reason}. A restart would fail the same way: fix the data or the "
+                                         "spec and create the job again")  # fmt: skip
+    elif gang.outcome is PodOutcome.OUT_OF_MEMORY:
         _replan_after_oom(run, job, plan, attempt, pods, gang.reason)
     elif gang.outcome is PodOutcome.FAILED:
         _restart(run, job, plan, attempt, pods, gang.reason)

@@ -15,10 +15,9 @@ from typing import Any
 
 from memfit.api.base import Condition
 from memfit.api.plan import PlanCandidate
+from memfit_trainer.termination import CONFIG_ERROR_REASON, OOM_REASON
 
 GIB = 1024**3
-OOM_REASON = "OutOfMemory"
-"""The trainer's termination-message reason for a CUDA out-of-memory error (memfit_trainer.oom)."""
 
 
 def now() -> str:
@@ -69,6 +68,8 @@ class PodOutcome(StrEnum):
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
     OUT_OF_MEMORY = "OutOfMemory"
+    CONFIG_ERROR = "ConfigError"
+    """The trainer refused its config or data: permanent, a restart would fail the same way."""
 
 
 @dataclass(frozen=True)
@@ -86,22 +87,26 @@ def _termination(container_status: Mapping[str, Any]) -> Mapping[str, Any] | Non
     return state.get("terminated")
 
 
-def _oom_message(message: str | None) -> str | None:
-    """The trainer's JSON termination message when it reports an out-of-memory error."""
+def _trainer_message(message: str | None) -> tuple[PodOutcome, str] | None:
+    """The trainer's JSON termination message (memfit_trainer.termination), when it gives a reason."""
     if not message:
         return None
     try:
         payload = json.loads(message)
     except json.JSONDecodeError:
         return None
-    if isinstance(payload, dict) and payload.get("reason") == OOM_REASON:
+    if not isinstance(payload, dict):
+        return None
+    if payload.get("reason") == OOM_REASON:
         measured, planned = payload.get("measuredPeakBytes"), payload.get("plannedPeakBytes")
         detail = (
             f" (measured peak {measured / GIB:.1f} GiB, planned {planned / GIB:.1f} GiB)"
             if measured and planned
             else ""
         )
-        return f"CUDA out of memory at step {payload.get('step')}{detail}"
+        return PodOutcome.OUT_OF_MEMORY, f"CUDA out of memory at step {payload.get('step')}{detail}"
+    if payload.get("reason") == CONFIG_ERROR_REASON:
+        return PodOutcome.CONFIG_ERROR, f"the trainer refused its config: {payload.get('message')}"
     return None
 
 
@@ -116,9 +121,9 @@ def report_pod(pod: Mapping[str, Any]) -> PodReport:
             continue
         if terminated.get("reason") == "OOMKilled":
             return PodReport(name, PodOutcome.OUT_OF_MEMORY, f"{name}: host memory exhausted (OOMKilled)")
-        oom = _oom_message(terminated.get("message"))
-        if oom is not None:
-            return PodReport(name, PodOutcome.OUT_OF_MEMORY, f"{name}: {oom}")
+        reported = _trainer_message(terminated.get("message"))
+        if reported is not None:
+            return PodReport(name, reported[0], f"{name}: {reported[1]}")
         return PodReport(name, PodOutcome.FAILED, f"{name}: exit code {terminated.get('exitCode')} "
                                                   f"({terminated.get('reason') or 'Error'})")  # fmt: skip
     if phase == "Failed":
@@ -146,7 +151,7 @@ class GangState:
 
 def gang_state(reports: Iterable[PodReport], expected: int) -> GangState:
     reports = list(reports)
-    for wanted in (PodOutcome.OUT_OF_MEMORY, PodOutcome.FAILED):
+    for wanted in (PodOutcome.CONFIG_ERROR, PodOutcome.OUT_OF_MEMORY, PodOutcome.FAILED):
         failed = [r for r in reports if r.outcome is wanted]
         if failed:
             return GangState(wanted, "; ".join(r.reason for r in failed))

@@ -1060,3 +1060,21 @@ def test_condition_transition_times_move_only_when_the_status_flips(cluster: Fak
     cluster.step()
     assert cluster.condition("Ready")["lastTransitionTime"] == ready_at
     assert cluster.condition("Running")["lastTransitionTime"] != running_at
+
+
+def test_a_trainer_config_error_fails_the_job_at_once(gang: FakeCluster) -> None:
+    """A config or data error is permanent: restarting the gang would fail the same way."""
+    gang.launch_running()
+    message = json.dumps({"reason": "ConfigError", "message": "data path /mnt/data/chats/ matches no jsonl files"})
+    gang.terminated("llama-chat-a1-n1", "Failed", 1, "Error", message)
+    decision = gang.step()
+    status = decision.status
+    assert status.phase is Phase.FAILED and status.restarts == 0 and len(status.attempts) == 1
+    assert status.attempts[0].outcome == "ConfigError"
+    assert sorted(decision.delete) == [f"llama-chat-a1-n{r}" for r in range(status.plan.strategy.nodes)]
+    assert pod_names(decision) == []
+    assert reasons(decision.events) == [("Warning", "Failed")]
+    assert "the trainer refused its config: data path /mnt/data/chats/ matches no jsonl files" in (
+        decision.events[0].message
+    )
+    assert gang.condition("Succeeded")["reason"] == "TrainerConfigError"

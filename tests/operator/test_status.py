@@ -83,3 +83,12 @@ def test_a_pending_gang_says_what_the_scheduler_said() -> None:
         == "1 of 2 node ranks started; n1 not scheduled: 0/4 nodes are available: 4 Insufficient nvidia.com/gpu."
     )
     assert gang_state([report_pod(pod("n0", "Pending"))], 1).reason == "0 of 1 node ranks started"
+
+
+def test_the_trainers_config_error_is_its_own_outcome_and_wins_over_others() -> None:
+    message = json.dumps({"reason": "ConfigError", "message": "dataset field `text` missing"})
+    refused = report_pod(pod("n1", "Failed", 1, "Error", message))
+    assert refused.outcome is PodOutcome.CONFIG_ERROR
+    assert refused.reason == "n1: the trainer refused its config: dataset field `text` missing"
+    oom = report_pod(pod("n0", "Failed", 137, "OOMKilled"))
+    assert gang_state([oom, refused], 2).outcome is PodOutcome.CONFIG_ERROR

@@ -13,6 +13,7 @@ import pytest
 from memfit_trainer.config import ConfigError
 from memfit_trainer.oom import EXIT_CODE_OOM, OOM_REASON
 from memfit_trainer.preflight import check
+from memfit_trainer.termination import CONFIG_ERROR_REASON
 from tests.trainer.runs import make_config, run_single_process, run_trainer, trainer_env, write_config
 
 PLANNED_PEAK = 123_456_789
@@ -57,6 +58,8 @@ def test_config_this_machine_cannot_run_fails_before_any_work(tmp_path: Path) ->
     assert "flash-attn" in line
     assert "nvme_path" in line
     assert not Path(config.output_dir, "checkpoints").exists()
+    message = json.loads(Path(config.termination_log).read_text())  # what the operator reads from the pod
+    assert message == {"reason": CONFIG_ERROR_REASON, "message": line.removeprefix("memfit-train: ")}
 
 
 def test_preflight_accepts_a_runnable_config(tmp_path: Path) -> None:

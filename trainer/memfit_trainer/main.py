@@ -1,8 +1,9 @@
 """``memfit-train --config FILE``: the process inside each training pod (one per GPU, under torchrun).
 
-Exit codes: 0 done (or already done), 2 the config cannot be run here (one line on stderr, before any GPU
-work), 86 out of GPU memory (see :mod:`memfit_trainer.oom`; torchrun reports a failed worker as 1, the
-termination message keeps the reason), 1 anything else.
+Exit codes: 0 done (or already done), 2 the config cannot be run here (one line on stderr and a ConfigError
+termination message, before any GPU work), 86 out of GPU memory (see :mod:`memfit_trainer.oom`), 1 anything
+else. torchrun reports a failed worker as 1: the termination message (memfit_trainer.termination) keeps
+the reason.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from memfit_trainer.config import ConfigError, TrainerConfig, load_config
+from memfit_trainer.termination import DEFAULT_TERMINATION_LOG, report_config_error
 
 EXIT_CONFIG = 2
 
@@ -66,7 +68,7 @@ def run(config: TrainerConfig) -> int:
         with guard:  # model loading and engine set-up (step None) too, not only the steps
             train(config, ranks, metrics, guard)
     except (ConfigError, DataError, TokenizerLoadError) as error:
-        print(f"memfit-train: {error}", file=sys.stderr, flush=True)
+        report_config_error(str(error), config.termination_log)
         return EXIT_CONFIG
     finally:
         metrics.close()
@@ -76,6 +78,7 @@ def run(config: TrainerConfig) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    config: TrainerConfig | None = None
     try:
         config = load_config(args.config)
         _single_process_defaults()
@@ -83,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         check(config, os.environ)
     except ConfigError as error:
-        print(f"memfit-train: {error}", file=sys.stderr, flush=True)
+        report_config_error(str(error), config.termination_log if config else DEFAULT_TERMINATION_LOG)
         return EXIT_CONFIG
     return run(config)
 

@@ -15,9 +15,6 @@ the exit code is lost but the termination message is not: the operator should ke
 
 from __future__ import annotations
 
-import fcntl
-import json
-import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -28,10 +25,15 @@ from typing import Any
 
 import torch
 
+from memfit_trainer.termination import (
+    DEFAULT_TERMINATION_LOG,
+    MAX_TERMINATION_MESSAGE_BYTES,
+    OOM_REASON,
+    fitted_message,
+    write_termination_message,
+)
+
 EXIT_CODE_OOM = 86
-DEFAULT_TERMINATION_LOG = "/dev/termination-log"
-MAX_TERMINATION_MESSAGE_BYTES = 4096
-OOM_REASON = "OutOfMemory"
 _OOM_PHRASES = ("cuda out of memory", "out of memory")
 
 
@@ -68,51 +70,10 @@ def termination_message(
     message: str,
     limit: int = MAX_TERMINATION_MESSAGE_BYTES,
 ) -> str:
-    """The JSON document; a too long ``message`` is cut to the longest prefix (plus ``...``) within ``limit`` bytes."""
-
-    def encode(text: str) -> str:
-        return json.dumps(
-            {
-                "reason": OOM_REASON,
-                "step": step,
-                "plannedPeakBytes": planned_peak_bytes,
-                "measuredPeakBytes": measured_peak_bytes,
-                "message": text,
-            },
-            ensure_ascii=False,
-        )
-
-    payload = encode(message)
-    if len(payload.encode("utf-8")) <= limit:
-        return payload
-    if len(encode("...").encode("utf-8")) > limit:
-        raise ValueError(f"{limit} bytes cannot hold even an empty termination message")
-    # JSON escaping and UTF-8 make bytes-per-character uneven: search for the longest prefix that fits.
-    fits, too_long = 0, len(message)
-    while too_long - fits > 1:
-        middle = (fits + too_long) // 2
-        if len(encode(message[:middle] + "...").encode("utf-8")) <= limit:
-            fits = middle
-        else:
-            too_long = middle
-    return encode(message[:fits] + "...")
-
-
-def write_termination_message(payload: str, path: str | Path = DEFAULT_TERMINATION_LOG) -> None:
-    """Replace the file's content with ``payload`` under an exclusive lock.
-
-    Several ranks of one pod may fail at once; the lock makes the result one whole document (the last
-    writer's) rather than an interleaving. The file is a kubelet bind mount, so it is rewritten in place,
-    never replaced by rename.
-    """
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        os.ftruncate(fd, 0)
-        os.write(fd, payload.encode("utf-8"))
-        os.fsync(fd)
-    finally:
-        os.close(fd)  # also releases the lock
+    """The OOM document; a too long ``message`` is cut to fit ``limit`` bytes (see termination.fitted_message)."""
+    fields = {"reason": OOM_REASON, "step": step, "plannedPeakBytes": planned_peak_bytes,
+              "measuredPeakBytes": measured_peak_bytes}  # fmt: skip
+    return fitted_message(fields, message, limit)
 
 
 class OomGuard(ContextDecorator):

@@ -1,0 +1,75 @@
+"""The trainer's termination message: why it stopped, as JSON the operator reads from the pod's status.
+
+Kubernetes copies the container's termination message file into
+``status.containerStatuses[].state.terminated.message`` (at most 4096 bytes). ``torchrun`` reports every
+failed worker as exit code 1, so the message, not the exit code, carries the reason:
+
+* ``{"reason": "OutOfMemory", ...}``: a GPU ran out of memory (memfit_trainer.oom); the operator re-plans;
+* ``{"reason": "ConfigError", "message": ...}``: the trainer refused its config or data before training
+  (exit code 2); restarting cannot help, so the operator fails the job with the message.
+
+No torch here: the operator imports the reasons.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+DEFAULT_TERMINATION_LOG = "/dev/termination-log"
+MAX_TERMINATION_MESSAGE_BYTES = 4096
+OOM_REASON = "OutOfMemory"
+CONFIG_ERROR_REASON = "ConfigError"
+
+
+def fitted_message(fields: dict[str, Any], message: str, limit: int = MAX_TERMINATION_MESSAGE_BYTES) -> str:
+    """``fields`` plus ``message`` as JSON; a too long ``message`` is cut to the longest prefix (plus ``...``)
+    within ``limit`` bytes."""
+
+    def encode(text: str) -> str:
+        return json.dumps({**fields, "message": text}, ensure_ascii=False)
+
+    payload = encode(message)
+    if len(payload.encode("utf-8")) <= limit:
+        return payload
+    if len(encode("...").encode("utf-8")) > limit:
+        raise ValueError(f"{limit} bytes cannot hold even an empty termination message")
+    # JSON escaping and UTF-8 make bytes-per-character uneven: search for the longest prefix that fits.
+    fits, too_long = 0, len(message)
+    while too_long - fits > 1:
+        middle = (fits + too_long) // 2
+        if len(encode(message[:middle] + "...").encode("utf-8")) <= limit:
+            fits = middle
+        else:
+            too_long = middle
+    return encode(message[:fits] + "...")
+
+
+def write_termination_message(payload: str, path: str | Path = DEFAULT_TERMINATION_LOG) -> None:
+    """Replace the file's content with ``payload`` under an exclusive lock.
+
+    Several ranks of one pod may fail at once; the lock makes the result one whole document (the last
+    writer's) rather than an interleaving. The file is a kubelet bind mount, so it is rewritten in place,
+    never replaced by rename.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.write(fd, payload.encode("utf-8"))
+        os.fsync(fd)
+    finally:
+        os.close(fd)  # also releases the lock
+
+
+def report_config_error(error: str, path: str | Path = DEFAULT_TERMINATION_LOG) -> None:
+    """The one stderr line, and the ConfigError termination message where the file can be written (a pod
+    has it; a local run outside a container usually cannot create /dev/termination-log, and needs none)."""
+    print(f"memfit-train: {error}", file=sys.stderr, flush=True)
+    with contextlib.suppress(OSError):
+        write_termination_message(fitted_message({"reason": CONFIG_ERROR_REASON}, error), path)
