@@ -188,6 +188,10 @@ class JobFollower:
             self.created[key] = now
         for event in decision.events:
             kopf.event(body, type=event.type, reason=event.reason, message=event.message[:1000])
+            # The operator's log tells the story too (a plain logger: kopf posts its object logger's lines as
+            # Events, which would double these).
+            log.log(logging.WARNING if event.type == "Warning" else logging.INFO,
+                    f"[{self.key}] {event.reason}: {event.message}")  # fmt: skip
         if decision.planned is not None:
             metrics.plan_adopted(decision.planned)
         if decision.restarted:
