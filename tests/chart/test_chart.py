@@ -290,7 +290,8 @@ def test_peering_object_matches_the_operator_scope() -> None:
     assert cluster["metadata"]["name"] == "memfit" and "namespace" not in cluster["metadata"]
     assert one(rendered("customised"), "ClusterKopfPeering")["metadata"]["name"] == "memfit-prod"
     namespaced = one(rendered("one-namespace"), "KopfPeering")
-    assert (namespaced["metadata"]["name"], namespaced["metadata"]["namespace"]) == ("memfit", NAMESPACE)
+    # kopf keeps a namespaced peering in the namespace it serves, not the one it runs in
+    assert (namespaced["metadata"]["name"], namespaced["metadata"]["namespace"]) == ("memfit", "research")
     scopes = {crd["spec"]["names"]["kind"]: crd["spec"]["scope"] for crd in chart_crds()}
     assert (scopes["ClusterKopfPeering"], scopes["KopfPeering"]) == ("Cluster", "Namespaced")
 
