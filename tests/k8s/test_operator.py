@@ -453,8 +453,11 @@ def test_two_replicas_share_the_work_through_peering(
     kubeconfig = server.operator_kubeconfig
     replicas = [OperatorProcess(kubeconfig, tmp_path / f"{i}.log", "peering", rank0.port, *peered) for i in range(2)]
     try:
-        standby = wait_for("one replica pausing for the other",
-                           lambda: [r for r in replicas if "Pausing operations" in r.log.read_text()])  # fmt: skip
+        try:
+            pausing = lambda: [r for r in replicas if "Pausing operations" in r.log.read_text()]  # noqa: E731
+            standby = wait_for("one replica pausing for the other", pausing, timeout=60)
+        except AssertionError as error:
+            raise AssertionError(f"{error}\n" + "\n".join(r.tail() for r in replicas)) from None
         assert len(standby) == 1
         [active] = [r for r in replicas if r is not standby[0]]
         for name in ("shared-1", "shared-2"):
