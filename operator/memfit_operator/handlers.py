@@ -28,7 +28,7 @@ from memfit.api.gpupool import GPUPool
 from memfit.api.loading import describe_validation_error
 from memfit_operator.cluster_api import GROUP, JOBS, VERSION, ClusterApi, load_credentials
 from memfit_operator.metrics import FOLLOW_HANDLER, OperatorMetrics
-from memfit_operator.objects import ATTEMPT_LABEL, JOB_LABEL, RANK_LABEL
+from memfit_operator.objects import JOB_LABEL, RANK_LABEL, attempt_of
 from memfit_operator.progress import fetch_progress, rank0_address
 from memfit_operator.reconcile import ACTIVE, Decision, Observation, reconcile
 from memfit_operator.settings import OperatorSettings
@@ -164,7 +164,7 @@ class JobFollower:
             return
         self.progress_read_at = time.monotonic()
         current = str(status.attempts[-1].number)
-        attempt_pods = [p for p in pods if p["metadata"]["labels"].get(ATTEMPT_LABEL) == current]
+        attempt_pods = [p for p in pods if attempt_of(p) == current]
         address = rank0_address(attempt_pods, RANK_LABEL)
         if address is not None:
             port, world = settings.trainer_metrics_port, status.plan.strategy.gpus

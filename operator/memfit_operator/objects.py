@@ -8,6 +8,7 @@ headless Service (stable DNS for rendezvous) and one Pod per node rank, all owne
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from memfit.api.base import API_VERSION
@@ -52,6 +53,11 @@ def labels(job: FineTuneJob, attempt: int | None = None) -> dict[str, str]:
     if attempt is not None:
         result[ATTEMPT_LABEL] = str(attempt)
     return result
+
+
+def attempt_of(pod: Mapping[str, Any]) -> str | None:
+    """The attempt number a pod's label says it belongs to."""
+    return (pod.get("metadata", {}).get("labels") or {}).get(ATTEMPT_LABEL)
 
 
 def owner_reference(job: FineTuneJob) -> dict[str, Any]:

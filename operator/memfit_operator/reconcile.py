@@ -29,7 +29,7 @@ from memfit.planner.replan import checkpoint_layout, replan_after_oom
 from memfit.planner.search import PlanningError, plan_job
 from memfit.planner.throughput import peak_flops
 from memfit.render.trainer_config import render_trainer_config
-from memfit_operator.objects import ATTEMPT_LABEL, attempt_objects, pod_name
+from memfit_operator.objects import attempt_objects, attempt_of, pod_name
 from memfit_operator.status import (
     GangState,
     PodOutcome,
@@ -118,14 +118,10 @@ class _Pass:
     def attempt_pods(self, attempt: Attempt | None) -> list[Mapping[str, Any]]:
         if attempt is None:
             return []
-        return [p for p in self.observation.pods if _attempt_of(p) == str(attempt.number)]
+        return [p for p in self.observation.pods if attempt_of(p) == str(attempt.number)]
 
     def delete_pods(self, pods: Sequence[Mapping[str, Any]]) -> None:
         self.decision.delete.extend(p["metadata"]["name"] for p in pods)
-
-
-def _attempt_of(pod: Mapping[str, Any]) -> str | None:
-    return (pod.get("metadata", {}).get("labels") or {}).get(ATTEMPT_LABEL)
 
 
 def _read_status(raw: Mapping[str, Any] | None) -> FineTuneJobStatus:
@@ -172,7 +168,7 @@ def _remove_stale_pods(run: _Pass, current: Attempt | None) -> None:
     """Pods of any attempt but the current running one should not exist (an operator stopped between
     recording a new attempt and deleting the old one's pods leaves them): delete them."""
     keep = str(current.number) if current is not None and current.finished is None else None
-    run.delete_pods([p for p in run.observation.pods if _attempt_of(p) != keep])
+    run.delete_pods([p for p in run.observation.pods if attempt_of(p) != keep])
 
 
 def _record_progress(status: FineTuneJobStatus, progress: Progress) -> None:

@@ -32,19 +32,20 @@ class OperatorSettings:
     @classmethod
     def from_environment(cls) -> OperatorSettings:
         """Defaults overridable by MEMFIT_* variables (the way a Deployment or a test configures it)."""
-        env = os.environ
+        env, defaults = os.environ, cls()
 
         def number(name: str, default: float) -> float:
-            return float(env.get(name, default))
+            value = env.get(name)
+            return float(value) if value else default
 
         return cls(
-            namespace=env.get("MEMFIT_NAMESPACE") or None,
-            trainer_image=env.get("MEMFIT_TRAINER_IMAGE", DEFAULT_TRAINER_IMAGE),
+            namespace=env.get("MEMFIT_NAMESPACE") or defaults.namespace,
+            trainer_image=env.get("MEMFIT_TRAINER_IMAGE", defaults.trainer_image),
             standalone=env.get("MEMFIT_STANDALONE", "") in ("1", "true"),
-            peering=env.get("MEMFIT_PEERING", "memfit"),
-            metrics_port=int(env["MEMFIT_METRICS_PORT"]) if env.get("MEMFIT_METRICS_PORT") else 8080,
-            health_port=int(env["MEMFIT_HEALTH_PORT"]) if env.get("MEMFIT_HEALTH_PORT") else 8081,
-            resync_seconds=number("MEMFIT_RESYNC_SECONDS", 10.0),
-            progress_seconds=number("MEMFIT_PROGRESS_SECONDS", 15.0),
-            trainer_metrics_port=int(number("MEMFIT_TRAINER_METRICS_PORT", METRICS_PORT)),
+            peering=env.get("MEMFIT_PEERING", defaults.peering),
+            metrics_port=int(number("MEMFIT_METRICS_PORT", defaults.metrics_port or 0)),
+            health_port=int(number("MEMFIT_HEALTH_PORT", defaults.health_port or 0)),
+            resync_seconds=number("MEMFIT_RESYNC_SECONDS", defaults.resync_seconds),
+            progress_seconds=number("MEMFIT_PROGRESS_SECONDS", defaults.progress_seconds),
+            trainer_metrics_port=int(number("MEMFIT_TRAINER_METRICS_PORT", defaults.trainer_metrics_port)),
         )
