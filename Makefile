@@ -44,8 +44,14 @@ crds: setup
 dashboards: setup
 	$(PY) charts/tools/dashboards.py
 
+# Style (ruff), types (mypy: strict on the core, default elsewhere) and the layers (import-linter: the core
+# imports neither cluster nor torch code, the operator and the trainer never import each other).
+LINTED := memfit operator trainer calibration tests bench charts
 lint: setup
-	$(VENV)/bin/ruff check operator trainer tests bench charts
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
+	$(VENV)/bin/mypy
+	PYTHONPATH=operator:trainer $(VENV)/bin/lint-imports
 
 bench: setup
 	$(PY) bench/planner_speed.py

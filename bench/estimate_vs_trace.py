@@ -13,7 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from memfit.memory.calibration import measured_beyond_states, predicted_beyond_states
+from calibration.compare import measured_beyond_states, predicted_beyond_states
 
 DEFAULT_TRACES = Path(__file__).resolve().parents[1] / "tests" / "data" / "memtrace" / "traces.json"
 

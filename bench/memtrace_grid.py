@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-anchors", action="store_true", help="skip the full-depth runs")
     args = parser.parse_args(argv)
 
-    from memfit_trainer.memtrace import trace_training_step
+    from calibration.memtrace import trace_training_step
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     records = []

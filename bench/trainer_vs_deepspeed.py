@@ -44,14 +44,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from memfit.model_shape import ModelFamily, ModelShape
-from memfit_trainer.config import (
+from memfit.contract.trainer_config import (
     DataConfig,
     MetricsConfig,
     ModelConfig,
     TrainerConfig,
     TrainingConfig,
 )
+from memfit.model_shape import ModelFamily, ModelShape
 
 WORLD_SIZE = 2
 MICRO_BATCH = 2

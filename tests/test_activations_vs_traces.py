@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from memfit.memory.calibration import relative_error
+from calibration.compare import relative_error
 from memfit.model_shape import ModelFamily, ModelShape
 
 TRACES = json.loads((Path(__file__).parent / "data" / "memtrace" / "traces.json").read_text())
@@ -55,7 +55,7 @@ SETTINGS = [
 def test_fresh_traces_of_unseen_architectures(name: str, settings: dict) -> None:
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from memfit_trainer.memtrace import trace_training_step
+    from calibration.memtrace import trace_training_step
 
     record = trace_training_step(UNSEEN[name], **settings)
     error = relative_error(record)

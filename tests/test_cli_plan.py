@@ -85,10 +85,12 @@ def test_emit_ds_config_writes_what_the_operator_renders(capsys: pytest.CaptureF
     assert code == 0
     written = json.loads(target.read_text())
     chosen = json.loads(out)["chosen"]["strategy"]
-    from memfit.api.plan import PlanStrategy
+    from pydantic import TypeAdapter
+
+    from memfit.api.plan import Strategy
 
     job = load_documents(JOB).jobs[0]
-    assert written == deepspeed_config(job.spec, PlanStrategy.model_validate(chosen).to_strategy())
+    assert written == deepspeed_config(job.spec, TypeAdapter(Strategy).validate_python(chosen))
     assert written["train_batch_size"] == 64
     assert written["train_micro_batch_size_per_gpu"] == chosen["microBatchSize"]
     assert written["zero_optimization"]["stage"] == chosen["zeroStage"]

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from memfit.api.gpupool import pool_capacity
+from memfit.cli.local_machine import CPU_PRODUCT, LocalMachine, local_pool
 from memfit.cli.main import main
-from memfit.local import CPU_PRODUCT, LocalMachine, local_pool
-from memfit_trainer.config import load_config
+from memfit.contract.trainer_config import load_config
 
 ROOT = Path(__file__).parent.parent
 TINY = ROOT / "examples" / "tiny"

@@ -9,10 +9,10 @@ import celpy
 import pytest
 import yaml
 
+from memfit.api.base import to_camel
 from memfit.api.crd import CRD_FILES, crd_documents_yaml, crd_yaml
 from memfit.api.finetunejob import FineTuneJobSpec
-from memfit.api.plan import PlanStrategy
-from memfit.strategy import Strategy
+from memfit.api.plan import Strategy
 
 ROOT = Path(__file__).parent.parent
 CRDS = ROOT / "crds"
@@ -85,8 +85,12 @@ def test_spec_defaults_in_crd_equal_model_defaults() -> None:
     assert training["properties"]["sequenceLength"]["default"] == defaults.sequence_length
 
 
-def test_api_strategy_and_compute_strategy_have_the_same_fields() -> None:
-    assert list(PlanStrategy.model_fields) == list(Strategy.__dataclass_fields__)
+def test_status_plan_strategy_carries_every_field_of_the_planners_strategy() -> None:
+    """One record (memfit.api.plan.Strategy) is both what the planner computes with and status.plan.strategy."""
+    crd = yaml.safe_load((CRDS / "memfit.dev_finetunejobs.yaml").read_text())
+    status = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    strategy = status["properties"]["plan"]["properties"]["strategy"]
+    assert list(strategy["properties"]) == [to_camel(name) for name in Strategy.__dataclass_fields__]
 
 
 def _immutability_rule() -> tuple[str, dict]:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from memfit.api.plan import Strategy
 from memfit.catalog.models import MODEL_PRESETS
 from memfit.memory.states import NF4_BYTES_PER_PARAMETER, model_states, zero3_working_set
-from memfit.strategy import Strategy
 
 ANCHORS = json.loads((Path(__file__).parent / "data" / "reference_anchors.json").read_text())
 SHAPE = MODEL_PRESETS["llama-2-7b"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from memfit.api.plan import Strategy
 from memfit.memory.states import model_states
-from memfit.strategy import Strategy
 from tests.test_memory_states import ANCHORS, SHAPE, P, strategy
 
 pytest.importorskip("deepspeed")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +51,8 @@ def usable(plan: PlanCandidate, headroom_percent: float) -> int:
 
 def with_total(plan: PlanCandidate, total: int) -> PlanCandidate:
     """The same plan estimated at ``total`` bytes per GPU."""
-    per_gpu = plan.memory.per_gpu.model_copy(update={"total": total})
-    return plan.model_copy(update={"memory": plan.memory.model_copy(update={"per_gpu": per_gpu})})
+    per_gpu = replace(plan.memory.per_gpu, total=total)
+    return plan.model_copy(update={"memory": replace(plan.memory, per_gpu=per_gpu)})
 
 
 def global_batch(plan: PlanCandidate) -> int:
@@ -73,8 +74,9 @@ def test_checkpoint_layout_is_method_precision_zero_stage_and_gpu_count() -> Non
 
 def test_checkpoint_layout_ignores_knobs_that_do_not_change_the_checkpoint() -> None:
     plan = first_plan(spec())
-    strategy = plan.strategy.model_copy(
-        update={
+    strategy = replace(
+        plan.strategy,
+        **{
             "gradient_checkpointing": True,
             "micro_batch_size": 2,
             "gradient_accumulation_steps": 4,
@@ -82,7 +84,7 @@ def test_checkpoint_layout_ignores_knobs_that_do_not_change_the_checkpoint() -> 
             "attention": "eager",
             "nodes": 2,
             "gpus_per_node": 4,
-        }  # fmt: skip
+        },  # fmt: skip
     )
     assert checkpoint_layout(plan.model_copy(update={"strategy": strategy})) == checkpoint_layout(plan)
 
@@ -90,7 +92,7 @@ def test_checkpoint_layout_ignores_knobs_that_do_not_change_the_checkpoint() -> 
 @pytest.mark.parametrize("update", [{"method": "lora"}, {"precision": "fp16"}, {"zero_stage": 3}, {"gpus_per_node": 4}])
 def test_checkpoint_layout_changes_with_each_of_its_parts(update: dict[str, Any]) -> None:
     plan = first_plan(spec())
-    changed = plan.model_copy(update={"strategy": plan.strategy.model_copy(update=update)})
+    changed = plan.model_copy(update={"strategy": replace(plan.strategy, **update)})
     assert checkpoint_layout(changed) != checkpoint_layout(plan)
 
 

@@ -23,9 +23,10 @@ import aiohttp
 import kopf
 from pydantic import ValidationError
 
-from memfit.api.finetunejob import FineTuneJobStatus, Phase, Progress
+from memfit.api.finetunejob import FineTuneJobStatus, Progress
 from memfit.api.gpupool import GPUPool
 from memfit.api.loading import describe_validation_error
+from memfit.api.vocabulary import Phase
 from memfit_operator.cluster_api import GROUP, JOBS, VERSION, ClusterApi, load_credentials
 from memfit_operator.metrics import FOLLOW_HANDLER, OperatorMetrics
 from memfit_operator.objects import JOB_LABEL, RANK_LABEL, attempt_of

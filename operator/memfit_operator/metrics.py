@@ -15,8 +15,9 @@ from collections import Counter as Tally
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from memfit.api.finetunejob import FineTuneJobStatus, Phase
+from memfit.api.finetunejob import FineTuneJobStatus
 from memfit.api.plan import PlanCandidate
+from memfit.api.vocabulary import Phase
 
 RECONCILE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 """A pass is a few milliseconds of logic plus API calls; planning a large inventory takes ~50 ms."""

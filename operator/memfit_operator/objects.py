@@ -15,9 +15,9 @@ from memfit.api.base import API_VERSION
 from memfit.api.finetunejob import FineTuneJob
 from memfit.api.gpupool import GPU_PRODUCT_LABEL, GPUPool, pool_capacity
 from memfit.api.plan import PlanCandidate
+from memfit.contract.trainer_config import MetricsConfig, TrainerConfig
 from memfit.render.deepspeed import NVME_PATH
 from memfit.render.trainer_config import POD_MOUNTS
-from memfit_trainer.config import MetricsConfig, TrainerConfig
 
 CONFIG_DIR = "/etc/memfit"
 CONFIG_FILE = "trainer-config.json"

@@ -1,7 +1,7 @@
 """Training progress as the operator reads it: rank 0's /metrics, scraped over the pod network.
 
 Trainer pods have no API access (they need none), so the operator fetches the progress series of the
-current attempt's rank 0 (the names are the trainer's, memfit_trainer.progress) and turns them into
+current attempt's rank 0 (the names are the trainer's, memfit.contract.progress) and turns them into
 ``status.progress``. Tokens per second: rank 0's recent rate times the world size, the same estimate the
 trainer's progress file gives. Nothing here invents a number: a series the trainer has not exported yet
 stays null.
@@ -17,7 +17,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from memfit.api.finetunejob import Progress
-from memfit_trainer.progress import (
+from memfit.contract.progress import (
     CHECKPOINT_STEP_METRIC,
     ETA_METRIC,
     STEP_METRIC,

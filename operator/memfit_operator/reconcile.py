@@ -21,10 +21,11 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from memfit.api.finetunejob import Attempt, FineTuneJob, FineTuneJobSpec, FineTuneJobStatus, Phase, Progress
+from memfit.api.finetunejob import Attempt, FineTuneJob, FineTuneJobSpec, FineTuneJobStatus, Progress
 from memfit.api.gpupool import GPUPool, pool_capacity
 from memfit.api.loading import describe_validation_error
 from memfit.api.plan import PlanCandidate
+from memfit.api.vocabulary import Phase
 from memfit.planner.replan import checkpoint_layout, replan_after_oom
 from memfit.planner.search import PlanningError, plan_job
 from memfit.planner.throughput import peak_flops

@@ -15,7 +15,7 @@ from typing import Any
 
 from memfit.api.base import Condition
 from memfit.api.plan import PlanCandidate
-from memfit_trainer.termination import CONFIG_ERROR_REASON, OOM_REASON
+from memfit.contract.termination import CONFIG_ERROR_REASON, OOM_REASON
 
 GIB = 1024**3
 
@@ -88,7 +88,7 @@ def _termination(container_status: Mapping[str, Any]) -> Mapping[str, Any] | Non
 
 
 def _trainer_message(message: str | None) -> tuple[PodOutcome, str] | None:
-    """The trainer's JSON termination message (memfit_trainer.termination), when it gives a reason."""
+    """The trainer's JSON termination message (memfit.contract.termination), when it gives a reason."""
     if not message:
         return None
     try:

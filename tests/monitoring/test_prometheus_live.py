@@ -37,9 +37,9 @@ import pytest
 import torch
 from kubernetes import client, config
 
-from memfit_trainer.config import MetricsConfig, PredictionConfig, TrainerConfig
+from memfit.contract.progress import read_progress
+from memfit.contract.trainer_config import MetricsConfig, PredictionConfig, TrainerConfig
 from memfit_trainer.metrics import TrainerMetrics
-from memfit_trainer.progress import read_progress
 from tests.chart.render import ROOT, rule_groups
 from tests.k8s.apiserver import running_apiserver
 from tests.k8s.cluster import (

@@ -3,26 +3,28 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from memfit.api.finetunejob import FineTuneJobStatus, Phase
+from memfit.api.finetunejob import FineTuneJobStatus
 from memfit.api.loading import load_documents
 from memfit.api.plan import PlanCandidate
-from memfit.planner.search import plan_job
-from memfit_operator.metrics import OperatorMetrics
-from memfit_operator.objects import RANK_LABEL
-from memfit_operator.progress import parse_trainer_metrics, rank0_address
-from memfit_trainer.progress import (
+from memfit.api.vocabulary import Method, Phase
+from memfit.contract.progress import (
     CHECKPOINT_STEP_METRIC,
     ETA_METRIC,
     STEP_METRIC,
     TOKENS_PER_SECOND_METRIC,
     TOTAL_STEPS_METRIC,
 )
+from memfit.planner.search import plan_job
+from memfit_operator.metrics import OperatorMetrics
+from memfit_operator.objects import RANK_LABEL
+from memfit_operator.progress import parse_trainer_metrics, rank0_address
 
 ROOT = Path(__file__).parent.parent.parent
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
@@ -293,7 +295,7 @@ def test_plans_are_counted_by_method_and_zero_stage(metrics: OperatorMetrics, pl
     metrics.plan_adopted(plan)
     metrics.plan_adopted(plan)
     assert value(metrics, "memfit_operator_plans_total", **labels) == 2
-    lora = plan.model_copy(update={"strategy": plan.strategy.model_copy(update={"method": "lora", "zero_stage": 0})})
+    lora = plan.model_copy(update={"strategy": replace(plan.strategy, method=Method.LORA, zero_stage=0)})
     metrics.plan_adopted(lora)
     assert value(metrics, "memfit_operator_plans_total", method="lora", zero_stage="0") == 1
     assert value(metrics, "memfit_operator_plans_total", **labels) == 2

@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 import yaml
 
-from memfit.api.finetunejob import FineTuneJobSpec, FineTuneJobStatus, Phase, Progress
+from memfit.api.finetunejob import FineTuneJobSpec, FineTuneJobStatus, Progress
 from memfit.api.gpupool import GPUPool
 from memfit.api.loading import load_documents
+from memfit.api.vocabulary import Phase
 from memfit_operator.objects import ATTEMPT_LABEL, CONFIG_FILE, RANK_LABEL
 from memfit_operator.reconcile import Decision, Event, Observation, reconcile
 

@@ -15,8 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from memfit.model_shape import ModelFamily, ModelShape
-from memfit_trainer.config import (
+from memfit.contract.trainer_config import (
     DataConfig,
     LoraConfig,
     MetricsConfig,
@@ -24,6 +23,7 @@ from memfit_trainer.config import (
     TrainerConfig,
     TrainingConfig,
 )
+from memfit.model_shape import ModelFamily, ModelShape
 
 WORLD_SIZE = 2
 MICRO_BATCH = 2

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from memfit_trainer.config import ConfigError
+from memfit.contract.trainer_config import ConfigError
 from memfit_trainer.console import ConsoleProgress, format_duration
 from memfit_trainer.engine import engine_config, total_optimizer_steps, warmup_cosine
 from tests.trainer.runs import make_config

@@ -10,17 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from memfit_trainer.config import ConfigError
+from memfit.contract.termination import CONFIG_ERROR_REASON
+from memfit.contract.trainer_config import ConfigError
 from memfit_trainer.oom import EXIT_CODE_OOM, OOM_REASON
 from memfit_trainer.preflight import check
-from memfit_trainer.termination import CONFIG_ERROR_REASON
 from tests.trainer.runs import make_config, run_single_process, run_trainer, trainer_env, write_config
 
 PLANNED_PEAK = 123_456_789
 
 
 def with_prediction(config):
-    from memfit_trainer.config import PredictionConfig
+    from memfit.contract.trainer_config import PredictionConfig
 
     prediction = PredictionConfig(
         strategy="test", peak_allocated_bytes=PLANNED_PEAK, total_bytes=2 * PLANNED_PEAK,

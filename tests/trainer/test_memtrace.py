@@ -12,8 +12,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from calibration.memtrace import saved_tensors, trace_training_step  # noqa: E402
 from memfit.model_shape import ModelFamily, ModelShape  # noqa: E402
-from memfit_trainer.memtrace import saved_tensors, trace_training_step  # noqa: E402
 
 TINY = ModelShape(ModelFamily.LLAMA, 64, 160, 2, 4, 2, 512)
 """GQA (4 query heads, 2 key/value heads) so repeated keys/values would show."""

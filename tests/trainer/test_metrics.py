@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from memfit.contract import progress as progress_module
+from memfit.contract.progress import Progress, read_progress, write_progress
+from memfit.contract.trainer_config import TrainerConfig
 from memfit.model_shape import ModelFamily, ModelShape
 from memfit_trainer import metrics as metrics_module
-from memfit_trainer import progress as progress_module
-from memfit_trainer.config import TrainerConfig
 from memfit_trainer.metrics import TrainerMetrics, model_flops_per_token
-from memfit_trainer.progress import Progress, read_progress, write_progress
 
 JOB = "team-a/llama-lora"
 LLAMA_8B = {

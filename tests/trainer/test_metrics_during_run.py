@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from memfit_trainer.config import MetricsConfig
-from memfit_trainer.progress import read_progress
+from memfit.contract.progress import read_progress
+from memfit.contract.trainer_config import MetricsConfig
 from tests.trainer.runs import make_config, torchrun_command, trainer_env, write_config
 
 pytestmark = pytest.mark.distributed

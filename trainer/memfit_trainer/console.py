@@ -2,7 +2,7 @@
 
 Pod logs are files, not terminals, so there are no carriage returns or colours; throttling keeps a
 thousand-steps-a-minute run from drowning the log. (The machine-readable progress for the operator is
-:mod:`memfit_trainer.progress`.)
+:mod:`memfit.contract.progress`.)
 """
 
 from __future__ import annotations

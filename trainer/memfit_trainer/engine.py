@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from memfit_trainer.config import ConfigError, TrainerConfig, TrainingConfig
+from memfit.contract.trainer_config import ConfigError, TrainerConfig, TrainingConfig
 
 DEEPSPEED_BUILT = frozenset({"adamw", "lion"})
 

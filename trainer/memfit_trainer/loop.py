@@ -22,8 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from memfit.contract.trainer_config import ConfigError, TrainerConfig
 from memfit_trainer.checkpoint import CheckpointManager, fsync_tree, load_rng_state, save_rng_state
-from memfit_trainer.config import ConfigError, TrainerConfig
 from memfit_trainer.console import ConsoleProgress
 from memfit_trainer.data import DataPosition, DataSource, PackedBatches, build_batches
 from memfit_trainer.engine import build_engine, total_optimizer_steps
@@ -140,7 +140,7 @@ def train(config: TrainerConfig, ranks: Ranks, metrics: TrainerMetrics, guard: O
     """
     training = config.training
     lora = training.method in ("lora", "qlora")
-    layout = config.layout
+    layout = config.layout.to_dict()
     manager = CheckpointManager(config.checkpoint_dir)
     if ranks.rank == 0:
         config.checkpoint_dir.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 
 Exit codes: 0 done (or already done), 2 the config cannot be run here (one line on stderr and a ConfigError
 termination message, before any GPU work), 86 out of GPU memory (see :mod:`memfit_trainer.oom`), 1 anything
-else. torchrun reports a failed worker as 1: the termination message (memfit_trainer.termination) keeps
+else. torchrun reports a failed worker as 1: the termination message (memfit.contract.termination) keeps
 the reason.
 """
 
@@ -14,8 +14,8 @@ import socket
 import sys
 from collections.abc import Sequence
 
-from memfit_trainer.config import ConfigError, TrainerConfig, load_config
-from memfit_trainer.termination import DEFAULT_TERMINATION_LOG, report_config_error
+from memfit.contract.termination import DEFAULT_TERMINATION_LOG, report_config_error
+from memfit.contract.trainer_config import ConfigError, TrainerConfig, load_config
 
 EXIT_CONFIG = 2
 

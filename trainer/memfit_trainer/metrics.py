@@ -15,7 +15,7 @@ in the process leaks into it). All series carry ``finetunejob`` (namespace/name)
 * checkpoints: ``memfit_checkpoint_duration_seconds`` (histogram), ``memfit_checkpoint_last_step``,
   ``memfit_checkpoint_last_timestamp_seconds``;
 * rank 0 only, the job's progress: ``memfit_train_total_steps``, ``memfit_train_progress_ratio``,
-  ``memfit_train_eta_seconds``; it also writes the progress file (:mod:`memfit_trainer.progress`).
+  ``memfit_train_eta_seconds``; it also writes the progress file (:mod:`memfit.contract.progress`).
 
 Gauges appear with their first real value, never as an invented zero; counters and histograms start at
 zero, which is true for this process.
@@ -34,9 +34,7 @@ from pathlib import Path
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from memfit.model_shape import ModelShape
-from memfit_trainer.config import TrainerConfig
-from memfit_trainer.progress import (
+from memfit.contract.progress import (
     CHECKPOINT_STEP_METRIC,
     ETA_METRIC,
     STEP_METRIC,
@@ -45,6 +43,8 @@ from memfit_trainer.progress import (
     Progress,
     write_progress,
 )
+from memfit.contract.trainer_config import TrainerConfig
+from memfit.model_shape import ModelShape
 
 log = logging.getLogger(__name__)
 

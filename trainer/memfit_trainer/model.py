@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from memfit_trainer.config import TrainerConfig
+from memfit.contract.trainer_config import TrainerConfig
 from memfit_trainer.hf_config import transformers_config
 from memfit_trainer.tokenizer import byte_level_tokenizer, load_tokenizer
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from memfit_trainer.termination import (
+from memfit.contract.termination import (
     DEFAULT_TERMINATION_LOG,
     MAX_TERMINATION_MESSAGE_BYTES,
     OOM_REASON,

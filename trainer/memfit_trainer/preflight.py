@@ -2,7 +2,7 @@
 
 A pod that would fail ten minutes in (after loading a 70B model) because of a missing package, an
 unsupported precision or an unwritable NVMe path should instead fail at once with one clear line. Every
-problem found is reported together, as one :class:`~memfit_trainer.config.ConfigError`.
+problem found is reported together, as one :class:`~memfit.contract.trainer_config.ConfigError`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from memfit_trainer.config import ConfigError, TrainerConfig
+from memfit.contract.trainer_config import ConfigError, TrainerConfig
 
 BYTE_TOKENIZER_VOCAB = 258
 """Token ids the byte-level tokenizer of random-init models emits (256 bytes, EOS, pad)."""

@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from memfit.api.finetunejob import FineTuneJobSpec
+from memfit.api.plan import Strategy
 from memfit.model_shape import ModelShape
-from memfit.strategy import Strategy
 
 NVME_PATH = "/local_nvme"
 """Where trainer pods mount the node's NVMe for ZeRO-Infinity offload."""

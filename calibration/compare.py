@@ -1,4 +1,4 @@
-"""Compare the memory model with MemTracker records of real training steps (``memfit_trainer.memtrace``).
+"""Compare the memory model with MemTracker records of real training steps (``calibration.memtrace``).
 
 A record is what ``trace_training_step`` returns: the settings, the shape, and per phase the bytes of
 each MemTracker category at that phase's peak. Model states are exact sizes (checked against the ZeRO

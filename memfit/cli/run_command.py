@@ -11,11 +11,11 @@ from pathlib import Path
 
 from memfit.api.finetunejob import FineTuneJob
 from memfit.api.loading import InputError, load_documents
+from memfit.cli.local_machine import inspect_machine, local_pool
 from memfit.cli.main import EXIT_BAD_INPUT, EXIT_NO_FIT
-from memfit.local import inspect_machine, local_pool
+from memfit.contract.trainer_config import MetricsConfig
 from memfit.planner.search import PlanningError, plan_job
 from memfit.render.trainer_config import Mounts, inside, render_trainer_config
-from memfit_trainer.config import MetricsConfig
 
 DEFAULT_CPU_RANKS = 2
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from memfit.api.finetunejob import FineTuneJobSpec, Method, Precision
+from memfit.api.finetunejob import FineTuneJobSpec
 from memfit.api.gpupool import GPUPool, pool_capacity
 from memfit.api.plan import RejectedCandidate
+from memfit.api.vocabulary import Method, Precision
 from memfit.model_shape import ModelShape
 
 GIB = 1024**3

@@ -6,10 +6,10 @@ machine without a GPU); the planner's headroom (default 10%) covers their spread
 
 from __future__ import annotations
 
+from memfit.api.plan import Strategy
 from memfit.memory.states import compute_bytes
 from memfit.model_shape import ModelShape
 from memfit.render.deepspeed import bucket_elements
-from memfit.strategy import Strategy
 
 MIB = 1024**2
 

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from memfit.api.finetunejob import FineTuneJobSpec, Method, Precision
+from memfit.api.finetunejob import FineTuneJobSpec
 from memfit.api.gpupool import GPUPool
 from memfit.api.plan import PlanCandidate, PlanResult
+from memfit.api.vocabulary import Method, Precision
+from memfit.contract.layout import CheckpointLayout
 from memfit.planner.search import plan_job
 
 LEANER_BY = 0.10
@@ -26,10 +28,9 @@ MAX_HEADROOM_PERCENT = 89.0
 """The API's bound on memoryHeadroomPercent (below 90)."""
 
 
-def checkpoint_layout(plan: PlanCandidate) -> tuple[str, str, int, int]:
-    """What decides whether a checkpoint loads under another plan (the trainer's TrainerConfig.layout)."""
-    strategy = plan.strategy
-    return strategy.method, strategy.precision, strategy.zero_stage, strategy.gpus
+def checkpoint_layout(plan: PlanCandidate) -> CheckpointLayout:
+    """What decides whether a checkpoint loads under another plan (shared with the trainer)."""
+    return CheckpointLayout.of(plan.strategy)
 
 
 def leaner_headroom_percent(spec: FineTuneJobSpec, failed: PlanCandidate) -> float:

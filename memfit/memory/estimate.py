@@ -15,12 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.api.plan import PerGPUMemory, PerNodeMemory, PlanMemory
+from memfit.api.plan import PerGPUMemory, PerNodeMemory, PlanMemory, Strategy
 from memfit.memory.activations import ActivationEstimate, ActivationSetup
 from memfit.memory.overhead import FRAGMENTATION, communication_buffer_bytes, runtime_bytes
 from memfit.memory.states import ModelStates, compute_bytes, model_states, trainable_split
 from memfit.model_shape import ModelShape
-from memfit.strategy import Strategy
 
 GIB = 1024**3
 HOST_BYTES_PER_RANK = 3 * GIB
@@ -64,38 +63,6 @@ def host_memory_per_node(shape: ModelShape, strategy: Strategy, states: ModelSta
     streams = strategy.zero_stage == 3 or strategy.method == "qlora"
     loading = 0 if streams else ranks * (2 * shape.parameter_count + HOST_BYTES_PER_RANK)
     return max(steady, loading), ranks * states.nvme_per_rank
-
-
-@dataclass(frozen=True, slots=True)
-class MemoryEstimate:
-    """Bytes per GPU at the step's peak, and per node on the host (see PerGPUMemory for each part)."""
-
-    parameters: int
-    gradients: int
-    optimizer_states: int
-    activations: int
-    overhead: int
-    peak_allocated_bytes: int
-    cpu_per_node: int
-    nvme_per_node: int
-
-    @property
-    def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer_states + self.activations + self.overhead
-
-    def to_api(self) -> PlanMemory:
-        return PlanMemory(
-            per_gpu=PerGPUMemory(
-                parameters=self.parameters,
-                gradients=self.gradients,
-                optimizer_states=self.optimizer_states,
-                activations=self.activations,
-                overhead=self.overhead,
-                peak_allocated_bytes=self.peak_allocated_bytes,
-                total=self.total,
-            ),
-            per_node=PerNodeMemory(cpu=self.cpu_per_node, nvme=self.nvme_per_node),
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +147,7 @@ def forward_backward_moments(
     return max(moments, key=sum)
 
 
-def peak_memory(static: StaticMemory, activations: ActivationEstimate, accumulation_steps: int) -> MemoryEstimate:
+def peak_memory(static: StaticMemory, activations: ActivationEstimate, accumulation_steps: int) -> PlanMemory:
     """Combine the static part with one micro-batch's activations into the step's peak."""
     states = static.states
     # Accumulating micro-batches keeps gradients alive across them; ZeRO-2/3 keep their partition.
@@ -195,13 +162,12 @@ def peak_memory(static: StaticMemory, activations: ActivationEstimate, accumulat
     else:
         gradients, acts, peak = step_grads, 0, base + step_grads
     fragmentation = int(FRAGMENTATION * (activations.peak + states.gradients))
-    return MemoryEstimate(
+    per_gpu = PerGPUMemory.of(
         parameters=states.parameters,
         gradients=gradients,
         optimizer_states=states.optimizer_states,
         activations=acts,
         overhead=static.runtime + static.communication_buffers + fragmentation,
         peak_allocated_bytes=peak,
-        cpu_per_node=static.cpu_per_node,
-        nvme_per_node=static.nvme_per_node,
     )
+    return PlanMemory(per_gpu=per_gpu, per_node=PerNodeMemory(cpu=static.cpu_per_node, nvme=static.nvme_per_node))

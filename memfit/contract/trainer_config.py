@@ -16,6 +16,7 @@ from pydantic import Field, PositiveInt, ValidationError, model_validator
 
 from memfit.api.base import ApiModel
 from memfit.api.loading import describe_validation_error
+from memfit.contract.layout import CheckpointLayout
 from memfit.model_shape import ModelShape
 
 CONFIG_VERSION = 1
@@ -142,20 +143,17 @@ class TrainerConfig(ApiModel):
         )
 
     @property
-    def layout(self) -> dict[str, Any]:
-        """What decides how DeepSpeed shards a checkpoint: a run of another layout cannot load it directly."""
-        zero = self.deepspeed.get("zero_optimization", {}).get("stage", 0)
-        return {"method": self.training.method, "precision": self.training.precision, "zeroStage": zero,
-                "worldSize": self.world_size}  # fmt: skip
+    def layout(self) -> CheckpointLayout:
+        """How this run's checkpoints are sharded (memfit.contract.layout)."""
+        zero = int(self.deepspeed.get("zero_optimization", {}).get("stage", 0))
+        return CheckpointLayout(self.training.method, self.training.precision, zero, self.world_size)
 
     @property
     def checkpoint_dir(self) -> Path:
         """One directory per layout: after a re-plan to another layout (say ZeRO-2 to ZeRO-3 after an
         out-of-memory failure) the run starts from the weights instead of failing on shards it cannot
         load, and a later return to the first layout resumes its checkpoints."""
-        layout = self.layout
-        name = f"{layout['method']}-{layout['precision']}-zero{layout['zeroStage']}-{layout['worldSize']}ranks"
-        return Path(self.output_dir) / "checkpoints" / name
+        return Path(self.output_dir) / "checkpoints" / self.layout.directory_name
 
     @property
     def final_dir(self) -> Path:

@@ -6,69 +6,75 @@ FineTuneJob, so scripts and the cluster see exactly the same fields.
 
 from __future__ import annotations
 
-from dataclasses import asdict
-from typing import Literal
+from dataclasses import dataclass
 
-from pydantic import Field
+from pydantic import ConfigDict, Field, PositiveInt
 
-from memfit.api.base import ApiModel
-from memfit.strategy import Strategy
+from memfit.api.base import ApiModel, to_camel
+from memfit.api.vocabulary import Attention, Offload, Optimizer, PlannedMethod, PlannedPrecision, ZeroStage
 
-MethodName = Literal["full", "lora", "qlora"]
-PrecisionName = Literal["bf16", "fp16", "fp32"]
-OffloadName = Literal["none", "cpu", "nvme"]
-OptimizerName = Literal["adamw", "adamw8bit", "paged_adamw8bit", "adafactor", "lion"]
-AttentionName = Literal["sdpa", "eager", "flash"]
+API_RECORD = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", use_attribute_docstrings=True)
+"""ApiModel's wire conventions for the plain dataclasses below: the planner builds thousands of them per
+search, so they are frozen slotted dataclasses rather than validated models, and pydantic validates and
+serialises them only where they cross the API (status.plan, `memfit plan -o json`)."""
 
 
-class PlanStrategy(ApiModel):
+@dataclass(frozen=True, slots=True)
+class Strategy:
     """Every knob of one way to run the job."""
 
-    method: MethodName
+    __pydantic_config__ = API_RECORD
+
+    method: PlannedMethod
     """full, lora or qlora."""
     pool: str
     """The GPUPool the job runs on."""
-    nodes: int = Field(ge=1)
+    nodes: PositiveInt
     """Nodes (one trainer pod each)."""
-    gpus_per_node: int = Field(ge=1)
+    gpus_per_node: PositiveInt
     """GPUs used on each node."""
-    zero_stage: int = Field(ge=0, le=3)
+    zero_stage: ZeroStage
     """DeepSpeed ZeRO stage."""
-    offload_optimizer: OffloadName
+    offload_optimizer: Offload
     """Where optimizer states live."""
-    offload_parameters: OffloadName
+    offload_parameters: Offload
     """Where ZeRO-3 keeps parameters between uses."""
     gradient_checkpointing: bool
     """Whether activations are recomputed in the backward pass."""
-    micro_batch_size: int = Field(ge=1)
+    micro_batch_size: PositiveInt
     """Sequences per GPU per forward pass."""
-    gradient_accumulation_steps: int = Field(ge=1)
+    gradient_accumulation_steps: PositiveInt
     """Micro-batches per optimizer step."""
-    precision: PrecisionName
+    precision: PlannedPrecision
     """Compute precision (bf16/fp16 are mixed precision with fp32 master weights)."""
-    optimizer: OptimizerName
+    optimizer: Optimizer
     """Optimizer."""
-    attention: AttentionName
+    attention: Attention
     """Attention kernel."""
 
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
 
-    def to_strategy(self) -> Strategy:
-        return Strategy(**self.model_dump())
-
-    @classmethod
-    def from_strategy(cls, strategy: Strategy) -> PlanStrategy:
-        return cls.model_validate(asdict(strategy))
-
     def summary(self) -> str:
-        return self.to_strategy().summary()
+        """One line a person can read, e.g. `full zero2 ckpt mb2x4 bf16 adamw on 2x8 a100`."""
+        parts: list[str] = [self.method, f"zero{self.zero_stage}"]
+        if self.offload_optimizer != Offload.NONE:
+            parts.append(f"opt->{self.offload_optimizer}")
+        if self.offload_parameters != Offload.NONE:
+            parts.append(f"params->{self.offload_parameters}")
+        if self.gradient_checkpointing:
+            parts.append("ckpt")
+        parts += [f"mb{self.micro_batch_size}x{self.gradient_accumulation_steps}", self.precision, self.optimizer]
+        return " ".join(parts) + f" on {self.nodes}x{self.gpus_per_node} {self.pool}"
 
 
-class PerGPUMemory(ApiModel):
+@dataclass(frozen=True, slots=True)
+class PerGPUMemory:
     """Predicted memory of one GPU, in bytes. `total` = parameters + gradients + optimizerStates +
     activations + overhead; `peakAllocatedBytes` is the predicted torch.cuda.max_memory_allocated()."""
+
+    __pydantic_config__ = API_RECORD
 
     parameters: int
     """Model weights resident on the GPU (16-bit copies, 4-bit for QLoRA, ZeRO-3 shard plus gathered layers)."""
@@ -85,9 +91,19 @@ class PerGPUMemory(ApiModel):
     total: int
     """What the GPU must hold: the five parts above."""
 
+    @classmethod
+    def of(cls, parameters: int, gradients: int, optimizer_states: int, activations: int, overhead: int,
+           peak_allocated_bytes: int) -> PerGPUMemory:  # fmt: skip
+        """The breakdown with its total."""
+        total = parameters + gradients + optimizer_states + activations + overhead
+        return cls(parameters, gradients, optimizer_states, activations, overhead, peak_allocated_bytes, total)
 
-class PerNodeMemory(ApiModel):
+
+@dataclass(frozen=True, slots=True)
+class PerNodeMemory:
     """Host-side memory of one node, in bytes."""
+
+    __pydantic_config__ = API_RECORD
 
     cpu: int
     """CPU RAM for offloaded states and model loading, all ranks of the node together."""
@@ -95,8 +111,11 @@ class PerNodeMemory(ApiModel):
     """NVMe space for offloaded states."""
 
 
-class PlanMemory(ApiModel):
+@dataclass(frozen=True, slots=True)
+class PlanMemory:
     """Predicted memory of a plan (estimates, never measurements)."""
+
+    __pydantic_config__ = API_RECORD
 
     per_gpu: PerGPUMemory
     """Per GPU."""
@@ -116,7 +135,7 @@ class PlanThroughput(ApiModel):
 class PlanCandidate(ApiModel):
     """One evaluated way to run the job."""
 
-    strategy: PlanStrategy
+    strategy: Strategy
     """The knobs."""
     parameter_count: int
     """Parameters of the model."""

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from memfit.api.plan import Strategy
 from memfit.model_shape import ModelShape
-from memfit.strategy import Strategy
 
 FP32 = 4
 

@@ -2,58 +2,25 @@
 
 from __future__ import annotations
 
-from enum import StrEnum
 from typing import Annotated, Literal
 
 from pydantic import Field, PositiveInt, model_validator
 
 from memfit.api.base import API_VERSION, ApiModel, Condition, NonEmptyStr, ObjectMeta, Source, VolumePath
 from memfit.api.plan import PlanCandidate
+from memfit.api.vocabulary import (
+    EIGHT_BIT_OPTIMIZERS,
+    Attention,
+    DatasetFormat,
+    Method,
+    Offload,
+    Optimizer,
+    Phase,
+    Precision,
+    ZeroStage,
+)
 from memfit.catalog.models import MODEL_PRESETS, model_preset
 from memfit.model_shape import ModelFamily, ModelShape
-
-
-class Method(StrEnum):
-    """How the weights are trained."""
-
-    AUTO = "auto"
-    FULL = "full"
-    LORA = "lora"
-    QLORA = "qlora"
-
-
-class Optimizer(StrEnum):
-    ADAMW = "adamw"
-    ADAMW_8BIT = "adamw8bit"
-    PAGED_ADAMW_8BIT = "paged_adamw8bit"
-    ADAFACTOR = "adafactor"
-    LION = "lion"
-
-
-class Precision(StrEnum):
-    AUTO = "auto"
-    BF16 = "bf16"
-    FP16 = "fp16"
-    FP32 = "fp32"
-
-
-class Offload(StrEnum):
-    NONE = "none"
-    CPU = "cpu"
-    NVME = "nvme"
-
-
-class Attention(StrEnum):
-    SDPA = "sdpa"
-    EAGER = "eager"
-    FLASH = "flash"
-
-
-class DatasetFormat(StrEnum):
-    JSONL = "jsonl"
-    PARQUET = "parquet"
-    ARROW = "arrow"
-
 
 _SHAPE_FIELDS = (
     "hidden_size",
@@ -241,7 +208,7 @@ class ResourcesSpec(ApiModel):
 class StrategySpec(ApiModel):
     """Pin any knob of the plan; the planner keeps what is pinned and evaluates exactly that."""
 
-    zero_stage: Annotated[int, Field(ge=0, le=3)] | None = None
+    zero_stage: ZeroStage | None = None
     """DeepSpeed ZeRO stage 0-3."""
     offload_optimizer: Offload | None = None
     """Where optimizer states live: GPU (none), CPU memory, or NVMe."""
@@ -296,13 +263,7 @@ class FineTuneJobSpec(ApiModel):
                 f"training.globalBatchSize ({batch}) is not divisible by strategy.microBatchSize "
                 f"({strategy.micro_batch_size})"
             )
-        if self.training.optimizer in (
-            Optimizer.ADAMW_8BIT,
-            Optimizer.PAGED_ADAMW_8BIT,
-        ) and strategy.offload_optimizer in (
-            Offload.CPU,
-            Offload.NVME,
-        ):
+        if self.training.optimizer in EIGHT_BIT_OPTIMIZERS and strategy.offload_optimizer in (Offload.CPU, Offload.NVME):
             raise ValueError("8-bit optimizers run on the GPU; they cannot be combined with strategy.offloadOptimizer")
         self.model.architecture.shape().resolve_lora_targets(tuple(self.lora.target_modules))
         return self
@@ -344,18 +305,6 @@ class Attempt(ApiModel):
     """Why it ended, in a sentence."""
     resumed_from_step: int | None = None
     """The checkpoint step it started from, if any."""
-
-
-class Phase(StrEnum):
-    PENDING = "Pending"
-    INVALID = "Invalid"
-    UNSCHEDULABLE = "Unschedulable"
-    LAUNCHING = "Launching"
-    RUNNING = "Running"
-    RESTARTING = "Restarting"
-    SUSPENDED = "Suspended"
-    SUCCEEDED = "Succeeded"
-    FAILED = "Failed"
 
 
 class FineTuneJobStatus(ApiModel):
@@ -404,18 +353,3 @@ class FineTuneJob(ApiModel):
     """The desired job."""
     status: FineTuneJobStatus | None = None
     """Observed state."""
-
-
-__all__ = [
-    "Architecture",
-    "Attention",
-    "DatasetFormat",
-    "FineTuneJob",
-    "FineTuneJobSpec",
-    "FineTuneJobStatus",
-    "Method",
-    "NonEmptyStr",
-    "Offload",
-    "Optimizer",
-    "Precision",
-]

@@ -1,4 +1,4 @@
-"""Render the trainer's config (``memfit_trainer.config.TrainerConfig``) for a job and its plan.
+"""Render the trainer's config (``memfit.contract.trainer_config.TrainerConfig``) for a job and its plan.
 
 The operator puts the result in the job's ConfigMap; ``memfit run --local`` writes it to a file. Paths
 are where the job's volumes are mounted (in the pod, or the local directories standing in for them).
@@ -11,8 +11,7 @@ from pathlib import PurePosixPath
 
 from memfit.api.finetunejob import FineTuneJob
 from memfit.api.plan import PlanCandidate
-from memfit.render.deepspeed import deepspeed_config, default_learning_rate
-from memfit_trainer.config import (
+from memfit.contract.trainer_config import (
     DataConfig,
     LoraConfig,
     MetricsConfig,
@@ -21,6 +20,7 @@ from memfit_trainer.config import (
     TrainerConfig,
     TrainingConfig,
 )
+from memfit.render.deepspeed import deepspeed_config, default_learning_rate
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def render_trainer_config(
     metrics: MetricsConfig | None = None,
     termination_log: str = "/dev/termination-log",
 ) -> TrainerConfig:
-    spec, strategy = job.spec, plan.strategy.to_strategy()
+    spec, strategy = job.spec, plan.strategy
     shape = spec.model.architecture.shape()
     source = spec.model.source
     if source is not None and source.pvc is not None and mounts.model is not None:

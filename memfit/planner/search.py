@@ -4,13 +4,23 @@ import time
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
-from memfit.api.finetunejob import FineTuneJobSpec, Method, Offload, Optimizer, Precision
+from memfit.api.finetunejob import FineTuneJobSpec
 from memfit.api.gpupool import GPUPool, PoolCapacity, pool_capacity
-from memfit.api.plan import PlanCandidate, PlanResult, PlanStrategy, PlanThroughput, RejectedCandidate
+from memfit.api.plan import PlanCandidate, PlanMemory, PlanResult, PlanThroughput, RejectedCandidate, Strategy
+from memfit.api.vocabulary import (
+    EIGHT_BIT_OPTIMIZERS,
+    Attention,
+    Method,
+    Offload,
+    PlannedMethod,
+    PlannedPrecision,
+    Precision,
+    planned_method,
+    planned_precision,
+)
 from memfit.memory.activations import ActivationEstimate, estimate_activations
 from memfit.memory.estimate import (
     LoraSettings,
-    MemoryEstimate,
     StaticMemory,
     activation_setup,
     peak_memory,
@@ -19,7 +29,6 @@ from memfit.memory.estimate import (
 from memfit.model_shape import ModelShape
 from memfit.planner.advice import advise
 from memfit.planner.throughput import estimate_throughput
-from memfit.strategy import Strategy
 
 GIB = 1024**3
 MAX_CANDIDATES = 50
@@ -37,7 +46,7 @@ class _Evaluated:
     template: Strategy
     micro_batch_size: int
     gradient_accumulation_steps: int
-    memory: MemoryEstimate
+    memory: PlanMemory
     capacity: PoolCapacity
     trainable: int
     limit: int
@@ -149,32 +158,32 @@ def layouts(capacity: PoolCapacity, max_gpus: int | None, global_batch: int) -> 
             yield nodes, gpus
 
 
-def _methods(spec: FineTuneJobSpec) -> list[str]:
+def _methods(spec: FineTuneJobSpec) -> list[PlannedMethod]:
     """auto prefers the method that changes the model least: full, then LoRA, then QLoRA."""
     if spec.method is Method.AUTO:
-        return ["full", "lora", "qlora"]
-    return [spec.method.value]
+        return [Method.FULL, Method.LORA, Method.QLORA]
+    return [planned_method(spec.method)]
 
 
-def _precisions(spec: FineTuneJobSpec, capacity: PoolCapacity) -> list[str]:
+def _precisions(spec: FineTuneJobSpec, capacity: PoolCapacity) -> list[PlannedPrecision]:
     pinned = spec.training.precision
     if pinned is Precision.AUTO:
-        return ["bf16" if capacity.bf16 else "fp16"]
+        return [Precision.BF16 if capacity.bf16 else Precision.FP16]
     if pinned is Precision.BF16 and not capacity.bf16:
         return []  # the GPU cannot run it; reported by advise() if nothing else fits
-    return [pinned.value]
+    return [planned_precision(pinned)]
 
 
 def _zero_options(
-    spec: FineTuneJobSpec, method: str, capacity: PoolCapacity, gpus: int
-) -> Iterator[tuple[int, str, str]]:
+    spec: FineTuneJobSpec, method: PlannedMethod, capacity: PoolCapacity, gpus: int
+) -> Iterator[tuple[int, Offload, Offload]]:
     """(stage, optimizer offload, parameter offload) combinations DeepSpeed supports for ``method``,
     without the ones that duplicate another: with several GPUs ZeRO-1 communicates as much as ZeRO-0
     and holds less; on one GPU nothing is partitioned, so the stages differ only by what they offload."""
     pinned = spec.strategy
     stages = [pinned.zero_stage] if pinned.zero_stage is not None else [0, 1, 2, 3]
-    devices = ["none", "cpu"] + (["nvme"] if capacity.nvme_bytes_per_node else [])
-    eight_bit = spec.training.optimizer in (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT)
+    devices = [Offload.NONE, Offload.CPU] + ([Offload.NVME] if capacity.nvme_bytes_per_node else [])
+    eight_bit = spec.training.optimizer in EIGHT_BIT_OPTIMIZERS
     for stage in stages:
         if method == "qlora" and stage == 3:
             continue
@@ -184,7 +193,7 @@ def _zero_options(
             # Offload needs ZeRO; adapters' states are too small to be worth moving; 8-bit states stay on GPU.
             if opt != "none" and (stage == 0 or (method != "full" and pinned.offload_optimizer is None) or eight_bit):
                 continue
-            for params in _pinned_or(pinned.offload_parameters, devices if stage == 3 else ["none"]):
+            for params in _pinned_or(pinned.offload_parameters, devices if stage == 3 else [Offload.NONE]):
                 if method == "qlora" and params != "none":
                     continue
                 single_gpu_duplicate = (
@@ -196,8 +205,8 @@ def _zero_options(
                     yield stage, opt, params
 
 
-def _pinned_or(pinned: Offload | None, options: list[str]) -> list[str]:
-    return [pinned.value] if pinned is not None else options
+def _pinned_or(pinned: Offload | None, options: list[Offload]) -> list[Offload]:
+    return [pinned] if pinned is not None else options
 
 
 def _micro_batches(spec: FineTuneJobSpec, per_gpu_batch: int) -> list[int]:
@@ -208,10 +217,10 @@ def _micro_batches(spec: FineTuneJobSpec, per_gpu_batch: int) -> list[int]:
     return [b for b in range(per_gpu_batch, 0, -1) if per_gpu_batch % b == 0]
 
 
-def _search_pool(search: _Search, capacity: PoolCapacity, method: str) -> None:
+def _search_pool(search: _Search, capacity: PoolCapacity, method: PlannedMethod) -> None:
     spec = search.spec
     limit = int(capacity.gpu_memory_bytes * (1 - spec.resources.memory_headroom_percent / 100))
-    attention = spec.strategy.attention.value if spec.strategy.attention else "sdpa"
+    attention = spec.strategy.attention or Attention.SDPA
     pinned_ckpt = spec.strategy.gradient_checkpointing
     checkpointing = [pinned_ckpt] if pinned_ckpt is not None else [False, True]
     for nodes, per_node in layouts(capacity, spec.resources.max_gpus, spec.training.global_batch_size):
@@ -220,7 +229,7 @@ def _search_pool(search: _Search, capacity: PoolCapacity, method: str) -> None:
         if not micro_batches:
             continue
         for precision in _precisions(spec, capacity):
-            fitted: dict[tuple[int, str, str, bool], int] = {}  # knobs -> largest micro-batch that fits
+            fitted: dict[tuple[int, Offload, Offload, bool], int] = {}  # knobs -> largest micro-batch that fits
             for stage, opt, params in _zero_options(spec, method, capacity, nodes * per_node):
                 for ckpt in checkpointing:
                     if _dominated(fitted, stage, opt, params, ckpt, micro_batches[0]):
@@ -229,7 +238,7 @@ def _search_pool(search: _Search, capacity: PoolCapacity, method: str) -> None:
                         method=method, pool=capacity.name, nodes=nodes, gpus_per_node=per_node,
                         zero_stage=stage, offload_optimizer=opt, offload_parameters=params,
                         gradient_checkpointing=ckpt, micro_batch_size=1, gradient_accumulation_steps=1,
-                        precision=precision, optimizer=spec.training.optimizer.value, attention=attention,
+                        precision=precision, optimizer=spec.training.optimizer, attention=attention,
                     )  # fmt: skip
                     micro = _largest_fitting_micro_batch(
                         search, capacity, limit, template, micro_batches, per_gpu_batch
@@ -238,13 +247,14 @@ def _search_pool(search: _Search, capacity: PoolCapacity, method: str) -> None:
                         fitted[(stage, opt, params, ckpt)] = micro
 
 
-def _dominated(fitted: dict[tuple[int, str, str, bool], int], stage: int, opt: str, params: str, ckpt: bool,
+def _dominated(fitted: dict[tuple[int, Offload, Offload, bool], int], stage: int, opt: Offload, params: Offload,
+               ckpt: bool,
                largest_micro: int) -> bool:  # fmt: skip
     """Options that can only be slower than one that already fits: NVMe offload where CPU offload fits
     (same GPU memory, slower traffic), and recomputation where the largest micro-batch fits without."""
-    if opt == "nvme" and (stage, "cpu", params, ckpt) in fitted:
+    if opt == Offload.NVME and (stage, Offload.CPU, params, ckpt) in fitted:
         return True
-    if params == "nvme" and (stage, opt, "cpu", ckpt) in fitted:
+    if params == Offload.NVME and (stage, opt, Offload.CPU, ckpt) in fitted:
         return True
     return ckpt and fitted.get((stage, opt, params, False)) == largest_micro
 
@@ -312,9 +322,9 @@ def _record_fit(search: _Search, fit: _Evaluated) -> int:
     return fit.micro_batch_size
 
 
-def _shortfall_ratio(memory: MemoryEstimate, limit: int, capacity: PoolCapacity) -> float:
+def _shortfall_ratio(memory: PlanMemory, limit: int, capacity: PoolCapacity) -> float:
     """How far over its limits (GPU, CPU, NVMe) the plan is: the worst ratio; at most 1 when it fits."""
-    return _shortfall_ratio_of(memory.total, memory.cpu_per_node, memory.nvme_per_node, limit, capacity)
+    return _shortfall_ratio_of(memory.per_gpu.total, memory.per_node.cpu, memory.per_node.nvme, limit, capacity)
 
 
 def _shortfall_ratio_of(gpu: int, cpu: int, nvme: int, limit: int, capacity: PoolCapacity) -> float:
@@ -323,8 +333,8 @@ def _shortfall_ratio_of(gpu: int, cpu: int, nvme: int, limit: int, capacity: Poo
     return max(gpu / limit, cpu / capacity.cpu_memory_bytes_per_node, nvme_ratio)
 
 
-def _shortfall_reason(memory: MemoryEstimate, limit: int, capacity: PoolCapacity) -> str:
-    gpu, cpu, nvme = memory.total, memory.cpu_per_node, memory.nvme_per_node
+def _shortfall_reason(memory: PlanMemory, limit: int, capacity: PoolCapacity) -> str:
+    gpu, cpu, nvme = memory.per_gpu.total, memory.per_node.cpu, memory.per_node.nvme
     worst = _shortfall_ratio(memory, limit, capacity)
     if worst == gpu / limit:
         return (f"GPU memory: needs {gpu / GIB:.1f} GiB per GPU, {limit / GIB:.1f} GiB usable "
@@ -337,10 +347,10 @@ def _shortfall_reason(memory: MemoryEstimate, limit: int, capacity: PoolCapacity
 
 def _candidate_fields(search: _Search, evaluated: _Evaluated, throughput: PlanThroughput) -> dict:
     return {
-        "strategy": PlanStrategy.from_strategy(evaluated.strategy),
+        "strategy": evaluated.strategy,
         "parameter_count": search.shape.parameter_count,
         "trainable_parameter_count": evaluated.trainable,
-        "memory": evaluated.memory.to_api(),
+        "memory": evaluated.memory,
         "gpu_memory_bytes": evaluated.capacity.gpu_memory_bytes,
         "fits": evaluated.fits,
         "throughput": throughput,

@@ -8,10 +8,9 @@ orders of magnitude; its absolute numbers are estimates and are labelled so ever
 from __future__ import annotations
 
 from memfit.api.gpupool import PoolCapacity
-from memfit.api.plan import PlanThroughput
+from memfit.api.plan import PlanThroughput, Strategy
 from memfit.memory.states import compute_bytes
 from memfit.model_shape import ModelShape
-from memfit.strategy import Strategy
 
 PEAK_EFFICIENCY = 0.5
 """Share of the tensor-core peak a well-fed decoder layer reaches (model FLOPs utilisation)."""

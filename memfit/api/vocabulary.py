@@ -1,0 +1,156 @@
+"""memfit's words, each defined once: the enumerations of the API, the plan, the trainer's contract and the
+operator's status. Everything else imports them from here, so a value is spelled in one place only.
+
+A plan never holds ``auto``: the ``Planned*`` types are the subsets a chosen strategy can take.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+
+class Method(StrEnum):
+    """How the weights are trained."""
+
+    AUTO = "auto"
+    FULL = "full"
+    LORA = "lora"
+    QLORA = "qlora"
+
+
+PlannedMethod = Literal[Method.FULL, Method.LORA, Method.QLORA]
+"""A method a plan can run (never auto)."""
+
+
+def planned_method(method: Method) -> PlannedMethod:
+    """``method`` as a plan holds it; auto is for the planner to resolve, never a plan's."""
+    if method is Method.AUTO:
+        raise ValueError("method auto is resolved by the planner, never planned")
+    return method
+
+
+class Precision(StrEnum):
+    AUTO = "auto"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP32 = "fp32"
+
+
+PlannedPrecision = Literal[Precision.BF16, Precision.FP16, Precision.FP32]
+"""A precision a plan can run (never auto)."""
+
+
+def planned_precision(precision: Precision) -> PlannedPrecision:
+    """``precision`` as a plan holds it; auto is for the planner to resolve, never a plan's."""
+    if precision is Precision.AUTO:
+        raise ValueError("precision auto is resolved by the planner, never planned")
+    return precision
+
+
+class Offload(StrEnum):
+    """Where offloaded states live: the GPU itself (none), CPU memory, or NVMe."""
+
+    NONE = "none"
+    CPU = "cpu"
+    NVME = "nvme"
+
+
+class Optimizer(StrEnum):
+    ADAMW = "adamw"
+    ADAMW_8BIT = "adamw8bit"
+    PAGED_ADAMW_8BIT = "paged_adamw8bit"
+    ADAFACTOR = "adafactor"
+    LION = "lion"
+
+
+EIGHT_BIT_OPTIMIZERS = frozenset({Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT})
+"""bitsandbytes' optimizers: their states live on the GPU, so they never combine with optimizer offload."""
+
+
+class Attention(StrEnum):
+    SDPA = "sdpa"
+    EAGER = "eager"
+    FLASH = "flash"
+
+
+class DatasetFormat(StrEnum):
+    JSONL = "jsonl"
+    PARQUET = "parquet"
+    ARROW = "arrow"
+
+
+ZeroStage = Annotated[int, Field(ge=0, le=3)]
+"""DeepSpeed ZeRO stage 0-3."""
+
+
+class Phase(StrEnum):
+    """Where a FineTuneJob is (status.phase)."""
+
+    PENDING = "Pending"
+    INVALID = "Invalid"
+    UNSCHEDULABLE = "Unschedulable"
+    LAUNCHING = "Launching"
+    RUNNING = "Running"
+    RESTARTING = "Restarting"
+    SUSPENDED = "Suspended"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+class ConditionType(StrEnum):
+    """The conditions of a FineTuneJob's status."""
+
+    READY = "Ready"
+    PLANNED = "Planned"
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    SUSPENDED = "Suspended"
+
+
+class Reason(StrEnum):
+    """The CamelCase reasons of conditions and Events."""
+
+    SPEC_ACCEPTED = "SpecAccepted"
+    INVALID_SPEC = "InvalidSpec"
+    SPEC_IMMUTABLE = "SpecImmutable"
+    PLANNED = "Planned"
+    UNSCHEDULABLE = "Unschedulable"
+    POOL_GONE = "PoolGone"
+    LAUNCHING = "Launching"
+    RUNNING = "Running"
+    COMPLETED = "Completed"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    RANK_FAILED = "RankFailed"
+    OUT_OF_MEMORY = "OutOfMemory"
+    REPLANNED = "Replanned"
+    NO_LEANER_PLAN = "NoLeanerPlan"
+    RESTART_LIMIT_REACHED = "RestartLimitReached"
+    REPLAN_LIMIT_REACHED = "ReplanLimitReached"
+    TRAINER_CONFIG_ERROR = "TrainerConfigError"
+    SUSPEND_REQUESTED = "SuspendRequested"
+    SUSPENDED = "Suspended"
+    RESUMED = "Resumed"
+
+
+class Outcome(StrEnum):
+    """How a trainer pod, a gang of them, or an attempt stands or ended (status.attempts[].outcome)."""
+
+    PENDING = "Pending"
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    OUT_OF_MEMORY = "OutOfMemory"
+    CONFIG_ERROR = "ConfigError"
+    """The trainer refused its config or data: permanent, a restart would fail the same way."""
+    SUSPENDED = "Suspended"
+
+
+class TerminationReason(StrEnum):
+    """The ``reason`` of the trainer's termination message (memfit.contract.termination)."""
+
+    OUT_OF_MEMORY = "OutOfMemory"
+    CONFIG_ERROR = "ConfigError"
