@@ -6,6 +6,8 @@
 # The install steps are the Makefile's `setup` steps (what CI runs): a virtual environment, pip, setuptools
 # and wheel upgraded, torch first at the Makefile's version, then memfit without build isolation so
 # DeepSpeed builds against that torch. tests/chart/test_dockerfile.py holds the two together.
+# Each image copies the core (memfit/) and its own package only: the operator and the trainer share nothing
+# else (their contract is memfit.contract), and pyproject.toml's package search skips the absent folder.
 
 ARG PYTHON_VERSION=3.11
 
@@ -15,9 +17,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_
     VIRTUAL_ENV=/opt/memfit PATH=/opt/memfit/bin:$PATH
 WORKDIR /app
 COPY pyproject.toml README.md ./
+COPY memfit ./memfit
 COPY operator ./operator
-# The trainer package comes along for its config contract (pydantic only); torch is not installed.
-COPY trainer ./trainer
 RUN python -m venv /opt/memfit \
  && python -m pip install --upgrade pip setuptools wheel \
  && python -m pip install '.[operator]' \
@@ -46,7 +47,7 @@ WORKDIR /app
 RUN python -m pip install --upgrade pip setuptools wheel \
  && python -m pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
 COPY pyproject.toml README.md ./
-COPY operator ./operator
+COPY memfit ./memfit
 COPY trainer ./trainer
 # DeepSpeed's ops compiled at build time (CPU Adam for offload, fused Adam, async I/O for NVMe), so a pod
 # never spends minutes compiling before its first step. No GPU is needed to build them: the architectures

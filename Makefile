@@ -15,7 +15,7 @@ ENVTEST ?= ../shared/k8s/envtest-assets
 # DeepSpeed compiles its CPU ops on first use (minutes): keep them across runs.
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/memfit/torch_extensions
 
-.PHONY: setup tools test demo crds dashboards lint bench
+.PHONY: setup tools test test-fast demo crds dashboards lint bench
 
 setup: $(VENV)/.installed
 
@@ -32,6 +32,11 @@ tools:
 
 test: setup tools
 	KUBEBUILDER_ASSETS="$${KUBEBUILDER_ASSETS:-$$($(ENVTEST))}" OMP_NUM_THREADS=1 $(PY) -m pytest
+
+# The inner loop: no API server, no torchrun, nothing over ~2 s (the markers are in pyproject.toml); under a
+# minute on 2 cores. promtool is still needed (tests/monitoring, tests/trainer/test_metrics.py).
+test-fast: setup tools
+	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not k8s and not distributed and not slow"
 
 demo: setup
 	$(VENV)/bin/memfit run examples/tiny/job.yaml --local
@@ -55,6 +60,6 @@ lint: setup
 
 bench: setup
 	$(PY) bench/planner_speed.py
-	$(PY) bench/estimate_vs_trace.py | tail -n 8
+	PYTHONPATH=. $(PY) bench/estimate_vs_trace.py | tail -n 8
 	DS_ACCELERATOR=cpu $(PY) bench/trainer_vs_deepspeed.py
 	KUBEBUILDER_ASSETS="$${KUBEBUILDER_ASSETS:-$$($(ENVTEST))}" $(PY) bench/operator_scale.py --jobs 500

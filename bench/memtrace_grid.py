@@ -18,11 +18,13 @@ import sys
 import time
 import warnings
 from collections.abc import Iterator
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from memfit.api.vocabulary import Attention, Method, Precision  # noqa: E402
 from memfit.catalog.models import model_preset  # noqa: E402
 from memfit.model_shape import ModelFamily, ModelShape  # noqa: E402
 
@@ -42,18 +44,23 @@ ANCHORS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("llama-2-7b", {"micro_batch": 1, "seq_len": 2048, "gradient_checkpointing": True}),
     ("llama-3-8b", {"micro_batch": 1, "seq_len": 2048, "gradient_checkpointing": True}),
     ("qwen2.5-0.5b", {"micro_batch": 2, "seq_len": 1024, "gradient_checkpointing": False}),
-    ("llama-2-7b", {"micro_batch": 1, "seq_len": 2048, "gradient_checkpointing": True, "trainable": "lora"}),
+    ("llama-2-7b", {"micro_batch": 1, "seq_len": 2048, "gradient_checkpointing": True, "trainable": Method.LORA}),
 )
 """Full-depth runs (the presets' own layer counts)."""
 
 
-def _attentions(shape: ModelShape) -> tuple[str, ...]:
+def _attentions(shape: ModelShape) -> tuple[Attention, ...]:
     """Gemma 2 soft-caps attention logits, which ``transformers`` refuses to run through SDPA."""
-    return ("eager",) if shape.family is ModelFamily.GEMMA2 else ("sdpa", "eager")
+    return (Attention.EAGER,) if shape.family is ModelFamily.GEMMA2 else (Attention.SDPA, Attention.EAGER)
 
 
-def _default_attention(shape: ModelShape) -> str:
+def _default_attention(shape: ModelShape) -> Attention:
     return _attentions(shape)[0]
+
+
+def _plain(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with enumeration members as their values, for the progress lines."""
+    return {key: value.value if isinstance(value, Enum) else value for key, value in kwargs.items()}
 
 
 def grid(anchors: bool) -> Iterator[tuple[str, ModelShape, dict[str, Any]]]:
@@ -73,9 +80,9 @@ def grid(anchors: bool) -> Iterator[tuple[str, ModelShape, dict[str, Any]]]:
                         )
                 for b, s in FEW_TOKENS:
                     common = {"micro_batch": b, "seq_len": s, "gradient_checkpointing": ckpt, "attention": attention}
-                    yield name, shape, {**common, "trainable": "lora"}
+                    yield name, shape, {**common, "trainable": Method.LORA}
                     if (b, s) != (1, 1024):
-                        yield name, shape, {**common, "dtype": "fp32"}
+                        yield name, shape, {**common, "dtype": Precision.FP32}
     llama2, llama3 = model_preset("llama-2-7b"), model_preset("llama-3-8b")
     for impl in ("for-loop", "fused"):
         yield (
@@ -94,7 +101,7 @@ def grid(anchors: bool) -> Iterator[tuple[str, ModelShape, dict[str, Any]]]:
         yield (
             "llama-2-7b",
             dataclasses.replace(llama2, num_layers=layers),
-            {"micro_batch": 1, "seq_len": 1024, "trainable": "lora", "lora_dropout": 0.0},
+            {"micro_batch": 1, "seq_len": 1024, "trainable": Method.LORA, "lora_dropout": 0.0},
         )
     if anchors:
         for name, kwargs in ANCHORS:
@@ -118,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         seconds = time.perf_counter() - t0
         records.append({"preset": name, **trace, "seconds": round(seconds, 2)})
         print(
-            f"{index:4d} {name} L={shape.num_layers} {kwargs} peak={trace['peak_total'] / 2**30:.2f} GiB "
+            f"{index:4d} {name} L={shape.num_layers} {_plain(kwargs)} peak={trace['peak_total'] / 2**30:.2f} GiB "
             f"({seconds:.1f}s)",
             file=sys.stderr,
             flush=True,

@@ -11,6 +11,7 @@ import time
 
 from memfit.api.finetunejob import FineTuneJobSpec
 from memfit.api.gpupool import GPUPool
+from memfit.api.vocabulary import Method
 from memfit.planner.search import plan_job
 
 BUDGET_SECONDS = 0.050
@@ -29,9 +30,9 @@ INVENTORY = [
 ]
 
 JOBS = {
-    "llama-3.1-8b auto": ("llama-3.1-8b", "auto", 64, 4096),
-    "llama-2-70b full": ("llama-2-70b", "full", 64, 2048),
-    "qwen2.5-72b auto": ("qwen2.5-72b", "auto", 128, 8192),
+    "llama-3.1-8b auto": ("llama-3.1-8b", Method.AUTO, 64, 4096),
+    "llama-2-70b full": ("llama-2-70b", Method.FULL, 64, 2048),
+    "qwen2.5-72b auto": ("qwen2.5-72b", Method.AUTO, 128, 8192),
 }
 
 
@@ -44,7 +45,7 @@ def inventory() -> list[GPUPool]:
     ]  # fmt: skip
 
 
-def job(preset: str, method: str, batch: int, sequence: int) -> FineTuneJobSpec:
+def job(preset: str, method: Method, batch: int, sequence: int) -> FineTuneJobSpec:
     return FineTuneJobSpec.model_validate({
         "model": {"name": preset, "architecture": {"preset": preset}},
         "dataset": {"source": {"pvc": "data"}}, "output": {"pvc": "out"}, "method": method,

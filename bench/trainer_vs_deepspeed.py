@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from memfit.api.vocabulary import Attention, Method, PlannedPrecision, Precision
 from memfit.contract.trainer_config import (
     DataConfig,
     MetricsConfig,
@@ -66,6 +67,8 @@ ARCHITECTURE = ModelShape(
     num_key_value_heads=2,
     vocab_size=258,
 )
+PRECISIONS: dict[str, PlannedPrecision] = {Precision.FP32.value: Precision.FP32, Precision.BF16.value: Precision.BF16}
+"""The choices of --precision."""
 
 TRAINER_EXTRAS = (
     "takes its micro-batch from the packed, sharded data pipeline (bare: a prepared list of random tokens)",
@@ -76,7 +79,7 @@ TRAINER_EXTRAS = (
 )
 
 
-def deepspeed_config(precision: str) -> dict[str, Any]:
+def deepspeed_config(precision: PlannedPrecision) -> dict[str, Any]:
     """The one DeepSpeed config both sides use: ZeRO-2, DeepSpeed's AdamW, no offload."""
     return {
         "train_batch_size": MICRO_BATCH * WORLD_SIZE,
@@ -84,7 +87,7 @@ def deepspeed_config(precision: str) -> dict[str, Any]:
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
         "steps_per_print": 2**31 - 1,
-        "bf16": {"enabled": precision == "bf16"},
+        "bf16": {"enabled": precision == Precision.BF16},
         "zero_optimization": {"stage": 2},
         "optimizer": {"type": "AdamW", "params": {"lr": LEARNING_RATE, "weight_decay": 0.0}},
     }
@@ -102,7 +105,7 @@ def write_corpus(path: Path, tokens: int) -> Path:
     return path
 
 
-def trainer_config(workdir: Path, steps: int, precision: str) -> TrainerConfig:
+def trainer_config(workdir: Path, steps: int, precision: PlannedPrecision) -> TrainerConfig:
     """A TrainerConfig equivalent to the bare loop; its only checkpoint is the final one, after the last step."""
     blocks = 2 * steps * MICRO_BATCH * WORLD_SIZE  # twice what the run reads: no epoch rollover mid-run
     return TrainerConfig(
@@ -110,7 +113,7 @@ def trainer_config(workdir: Path, steps: int, precision: str) -> TrainerConfig:
         model=ModelConfig(name_or_path="bench-llama", random_init=True, architecture=ARCHITECTURE),
         data=DataConfig(path=str(write_corpus(workdir / "corpus.jsonl", blocks * SEQUENCE_LENGTH)), text_field="text"),
         training=TrainingConfig(
-            method="full",
+            method=Method.FULL,
             sequence_length=SEQUENCE_LENGTH,
             micro_batch_size=MICRO_BATCH,
             gradient_accumulation_steps=1,
@@ -119,7 +122,7 @@ def trainer_config(workdir: Path, steps: int, precision: str) -> TrainerConfig:
             learning_rate=LEARNING_RATE,
             warmup_ratio=0.1,
             precision=precision,
-            attention="sdpa",
+            attention=Attention.SDPA,
             checkpoint_every_steps=steps + 1,
             keep_checkpoints=1,
         ),
@@ -147,6 +150,7 @@ def bare_worker(config_path: Path, out: Path) -> int:
     from transformers import AutoModelForCausalLM
 
     from memfit_trainer.hf_config import transformers_config
+    from memfit_trainer.model import ATTENTION, DTYPES
 
     config = TrainerConfig.model_validate(json.loads(config_path.read_text()))
     training, architecture = config.training, config.model.architecture
@@ -154,8 +158,11 @@ def bare_worker(config_path: Path, out: Path) -> int:
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     rank = dist.get_rank()
     torch.manual_seed(training.seed)  # the trainer's random init: the same weights
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[training.precision]
-    model = AutoModelForCausalLM.from_config(transformers_config(architecture), dtype=dtype, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]  # unannotated in transformers
+        transformers_config(architecture),
+        dtype=DTYPES[training.precision],
+        attn_implementation=ATTENTION[training.attention],
+    )
     model.config.use_cache = False
     params = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(
@@ -245,7 +252,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="timed optimizer steps per side (after warm-up)")
     parser.add_argument("--warmup", type=int, default=5, help="first steps of each side left out of the figures")
     parser.add_argument("--rounds", type=int, default=1, help="runs per side, alternating the order")
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="both sides' precision")
+    parser.add_argument(
+        "--precision",
+        choices=tuple(PRECISIONS),
+        default=Precision.FP32.value,
+        help="both sides' precision",
+    )
     parser.add_argument("--keep", type=Path, help="keep configs, logs and raw timings in a new directory in this one")
     parser.add_argument("--worker", choices=("bare", "trainer"), help=argparse.SUPPRESS)
     parser.add_argument("--config", type=Path, help=argparse.SUPPRESS)
@@ -260,6 +272,7 @@ def main() -> None:
             "needs --warmup >= 1 (the first step-to-step interval ends at step 2), --steps >= 2, --rounds >= 1"
         )
     total = args.warmup + args.steps
+    precision = PRECISIONS[args.precision]
     with tempfile.TemporaryDirectory(prefix="memfit-bench-") as scratch:
         if args.keep:  # a fresh directory each time: a checkpoint left there would make the trainer resume
             args.keep.mkdir(parents=True, exist_ok=True)
@@ -279,7 +292,7 @@ def main() -> None:
                 rundir = workdir / f"{role}-{round_ + 1}"
                 rundir.mkdir()
                 config_path = rundir / "trainer-config.json"
-                config_path.write_text(trainer_config(rundir, total, args.precision).to_json())
+                config_path.write_text(trainer_config(rundir, total, precision).to_json())
                 out = rundir / "timings.json"
                 walls[role].append(_run_ranks(role, config_path, out, rundir / "log.txt"))
                 runs[role].append(json.loads(out.read_text()))

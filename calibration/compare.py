@@ -10,8 +10,9 @@ loss buffers and the gradients alive with them).
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import Any
+from typing import Any, cast
 
+from memfit.api.vocabulary import Attention, Method, Precision
 from memfit.memory.activations import ActivationEstimate, ActivationSetup, estimate_activations
 from memfit.memory.estimate import forward_backward_moments, gradient_timeline
 from memfit.model_shape import ModelFamily, ModelShape
@@ -26,35 +27,36 @@ def record_shape(record: dict[str, Any]) -> ModelShape:
 
 def _states(record: dict[str, Any]) -> int:
     start = record["start"]
-    return start["PARAM"] + start["OPT"] + start["BUFFER"]
+    return cast(int, start["PARAM"] + start["OPT"] + start["BUFFER"])
 
 
 def measured_beyond_states(record: dict[str, Any]) -> int:
     """Peak of the forward and backward passes less weights, buffers and optimizer states: the
     activations and the gradients alive with them."""
-    return max(record["phases"][phase]["peak"]["total"] for phase in ("forward", "backward")) - _states(record)
+    peak = max(record["phases"][phase]["peak"]["total"] for phase in ("forward", "backward"))
+    return cast(int, peak - _states(record))
 
 
 def predicted_beyond_states(record: dict[str, Any]) -> int:
     """The memory model's forward/backward moments for the traced plain-PyTorch step: gradients set to
     None between steps, the trace's own gradient bytes (plain peft keeps adapters in fp32)."""
     shape, settings = record_shape(record), record["settings"]
-    timeline = gradient_timeline(shape, settings["trainable"], settings["dtype"])
+    timeline = gradient_timeline(shape, Method(settings["trainable"]), Precision(settings["dtype"]))
     gradients = record["phases"]["backward"]["end"]["GRAD"]
     return sum(forward_backward_moments(activation_estimate(record), gradients, False, timeline))
 
 
 def activation_estimate(record: dict[str, Any]) -> ActivationEstimate:
     settings, shape = record["settings"], record_shape(record)
-    lora = settings["trainable"] == "lora"
+    lora = settings["trainable"] == Method.LORA
     targets = shape.resolve_lora_targets(tuple(settings["lora_targets"] or ())) if lora else frozenset()
     setup = ActivationSetup(
-        method="lora" if lora else "full",
-        precision=settings["dtype"],
+        method=Method.LORA if lora else Method.FULL,
+        precision=Precision(settings["dtype"]),
         gradient_checkpointing=settings["gradient_checkpointing"],
         micro_batch_size=settings["micro_batch"],
         sequence_length=settings["seq_len"],
-        attention=settings["attention"],
+        attention=Attention(settings["attention"]),
         lora_rank=settings["lora_rank"] or 0,
         lora_targets=targets,
         lora_dropout=bool(settings["lora_dropout"]),

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -32,23 +32,24 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from memfit.api.vocabulary import Attention, Method, Optimizer, Precision
 from memfit.model_shape import ModelShape
 from memfit_trainer.hf_config import transformers_config
 
-Dtype = Literal["bf16", "fp32"]
-Attention = Literal["sdpa", "eager"]
-Trainable = Literal["full", "lora"]
+Dtype = Literal[Precision.BF16, Precision.FP32]
+TracedAttention = Literal[Attention.SDPA, Attention.EAGER]
+Trainable = Literal[Method.FULL, Method.LORA]
 OptimizerImpl = Literal["foreach", "for-loop", "fused"]
 CausalMask = Literal["implicit", "explicit"]
 
 CATEGORIES: tuple[str, ...] = ("PARAM", "BUFFER", "GRAD", "ACT", "TEMP", "OPT", "OTH")
 """MemTracker's categories by enum member name (``OTH`` holds externally tracked inputs)."""
 
-_TORCH_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
+_TORCH_DTYPES: dict[Precision, torch.dtype] = {Precision.BF16: torch.bfloat16, Precision.FP32: torch.float32}
 _STATE_CATEGORIES = ("PARAM", "BUFFER", "GRAD", "OPT")
 
 
-class _PhaseMemTracker(MemTracker):
+class _PhaseMemTracker(MemTracker):  # type: ignore[no-untyped-call]  # torch's __init_subclass__ is unannotated
     """MemTracker with one peak per phase of a step, and gradients labelled GRAD from their allocation.
 
     ``MemTracker`` keeps one peak per context, copied when the total peaks (a breakdown *at* the peak,
@@ -71,7 +72,9 @@ class _PhaseMemTracker(MemTracker):
         # base weights); a placeholder handle makes it skip them.
         for param in module.parameters():
             if not param.requires_grad:
-                self._param_to_grad_hook_handles.setdefault(param, (_NoHook(), _NoHook()))
+                handles = (_NoHook(), _NoHook())
+                # (WeakIdKeyDictionary's methods are unannotated in torch.)
+                self._param_to_grad_hook_handles.setdefault(param, handles)  # type: ignore[no-untyped-call]
         return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     def _update_snap(self, u_type: Any, winfo: Any, *args: Any, **kwargs: Any) -> None:
@@ -179,7 +182,7 @@ def _fake_run(causal_mask: CausalMask) -> Iterator[None]:
 def _build_model(
     shape: ModelShape,
     dtype: Dtype,
-    attention: Attention,
+    attention: TracedAttention,
     gradient_checkpointing: bool,
     trainable: Trainable,
     lora_rank: int,
@@ -197,8 +200,11 @@ def _build_model(
 
     config = transformers_config(shape, use_cache=False)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=_TORCH_DTYPES[dtype])
-        if trainable == "lora":
+        # (transformers' from_config is unannotated.)
+        model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+            config, attn_implementation=attention, dtype=_TORCH_DTYPES[dtype]
+        )
+        if trainable == Method.LORA:
             from peft import LoraConfig, get_peft_model
 
             lora = LoraConfig(
@@ -217,7 +223,7 @@ def _build_model(
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    return model
+    return cast(torch.nn.Module, model)
 
 
 def _fake_weights(model: torch.nn.Module) -> None:
@@ -234,7 +240,8 @@ def _fake_weights(model: torch.nn.Module) -> None:
         return replaced[id(t)]
 
     for module in model.modules():
-        for registry in (module._parameters, module._buffers):
+        registries: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+        for registry in registries:
             for name, tensor in registry.items():
                 if tensor is not None:
                     registry[name] = fake(tensor)
@@ -250,12 +257,12 @@ def trace_training_step(
     *,
     micro_batch: int,
     seq_len: int,
-    dtype: Dtype = "bf16",
+    dtype: Dtype = Precision.BF16,
     gradient_checkpointing: bool = False,
-    attention: Attention = "sdpa",
-    optimizer: Literal["adamw"] = "adamw",
+    attention: TracedAttention = Attention.SDPA,
+    optimizer: Literal[Optimizer.ADAMW] = Optimizer.ADAMW,
     optimizer_impl: OptimizerImpl = "foreach",
-    trainable: Trainable = "full",
+    trainable: Trainable = Method.FULL,
     lora_rank: int = 16,
     lora_targets: tuple[str, ...] = ("all-linear",),
     lora_dropout: float = 0.05,
@@ -276,7 +283,7 @@ def trace_training_step(
     at the phase's maximum of non-state memory (activations + temporaries), which need not coincide with
     the total's peak because gradients accumulate during backward.
     """
-    if optimizer != "adamw":
+    if optimizer != Optimizer.ADAMW:
         raise ValueError(f"unsupported optimizer {optimizer!r}: only adamw is traced")
     if steps < 1:
         raise ValueError("steps must be at least 1")
@@ -291,9 +298,9 @@ def trace_training_step(
         "optimizer": optimizer,
         "optimizer_impl": optimizer_impl,
         "trainable": trainable,
-        "lora_rank": lora_rank if trainable == "lora" else None,
-        "lora_targets": list(lora_targets) if trainable == "lora" else None,
-        "lora_dropout": lora_dropout if trainable == "lora" else None,
+        "lora_rank": lora_rank if trainable == Method.LORA else None,
+        "lora_targets": list(lora_targets) if trainable == Method.LORA else None,
+        "lora_dropout": lora_dropout if trainable == Method.LORA else None,
         "causal_mask": causal_mask,
         "steps": steps,
     }
@@ -307,10 +314,11 @@ def trace_training_step(
         input_ids = torch.randint(0, shape.vocab_size, (micro_batch, seq_len))
 
         def forward() -> torch.Tensor:
-            return model(input_ids=input_ids, labels=input_ids).loss
+            return cast(torch.Tensor, model(input_ids=input_ids, labels=input_ids).loss)
 
+        # (Tensor.backward is unannotated in torch.)
         for _ in range(steps - 1):
-            forward().backward()
+            forward().backward()  # type: ignore[no-untyped-call]
             opt.step()
             opt.zero_grad(set_to_none=True)
 
@@ -322,7 +330,7 @@ def trace_training_step(
             tracker.phase_summary()
             loss = forward()
             phases["forward"] = tracker.phase_summary()
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             del loss
             phases["backward"] = tracker.phase_summary()
             opt.step()
@@ -355,19 +363,19 @@ def shape_fields(shape: ModelShape) -> dict[str, Any]:
     return fields
 
 
-class _Provenance(TorchDispatchMode):
+class _Provenance(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's __init_subclass__ is unannotated
     """Remembers which op, inside which module, produced each storage (to name what autograd saves)."""
 
     def __init__(self, module_names: dict[torch.nn.Module, str]) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # unannotated in torch
         self.producers: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.module_stack: list[str] = []
         self._module_names = module_names
 
-    def push(self, module: torch.nn.Module, *_: Any) -> None:
+    def enter_module(self, module: torch.nn.Module, *_: Any) -> None:
         self.module_stack.append(self._module_names.get(module, type(module).__name__))
 
-    def pop(self, *_: Any) -> None:
+    def leave_module(self, *_: Any) -> None:
         self.module_stack.pop()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -375,7 +383,10 @@ class _Provenance(TorchDispatchMode):
         where = self.module_stack[-1] if self.module_stack else ""
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                self.producers.setdefault(t.untyped_storage(), (str(func.overloadpacket.__name__), where))
+                # (WeakIdKeyDictionary's methods are unannotated in torch.)
+                self.producers.setdefault(  # type: ignore[no-untyped-call]
+                    t.untyped_storage(), (str(func.overloadpacket.__name__), where)
+                )
         return out
 
 
@@ -384,9 +395,9 @@ def saved_tensors(
     *,
     micro_batch: int,
     seq_len: int,
-    dtype: Dtype = "bf16",
-    attention: Attention = "sdpa",
-    trainable: Trainable = "full",
+    dtype: Dtype = Precision.BF16,
+    attention: TracedAttention = Attention.SDPA,
+    trainable: Trainable = Method.FULL,
     lora_rank: int = 16,
     lora_targets: tuple[str, ...] = ("all-linear",),
     lora_dropout: float = 0.05,
@@ -413,7 +424,7 @@ def saved_tensors(
             if storage in params or storage in seen:
                 return t
             seen[storage] = True
-            op, produced_in = provenance.producers.get(storage, ("external", ""))
+            op, produced_in = provenance.producers.get(storage, ("external", ""))  # type: ignore[no-untyped-call]
             rows.append(
                 {
                     "module": provenance.module_stack[-1] if provenance.module_stack else "",
@@ -426,8 +437,8 @@ def saved_tensors(
             )
             return t
 
-        pre = register_module_forward_pre_hook(provenance.push)
-        post = register_module_forward_hook(provenance.pop)
+        pre = register_module_forward_pre_hook(provenance.enter_module)
+        post = register_module_forward_hook(provenance.leave_module)
         try:
             with provenance, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 model(input_ids=input_ids, labels=input_ids)

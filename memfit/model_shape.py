@@ -94,6 +94,7 @@ class ModelShape:
     def layer_linears(self) -> tuple[LinearModule, ...]:
         """The linear modules of one decoder layer, named as in ``transformers`` (LoRA targets)."""
         h, i = self.hidden_size, self.intermediate_size
+        attention: tuple[LinearModule, ...]
         if self.family is ModelFamily.PHI3:
             attention = (
                 LinearModule("qkv_proj", h, self.q_size + 2 * self.kv_size),

@@ -50,6 +50,7 @@ SETTINGS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: "-".join(str(v) for v in s.values()))
 @pytest.mark.parametrize("name", sorted(UNSEEN))
 def test_fresh_traces_of_unseen_architectures(name: str, settings: dict) -> None:

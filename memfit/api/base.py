@@ -6,13 +6,14 @@ so they are written for the person reading them there.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-GROUP = "memfit.dev"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
+GROUP: Final = "memfit.dev"
+VERSION: Final = "v1alpha1"
+API_VERSION: Final = "memfit.dev/v1alpha1"
+"""GROUP/VERSION, spelled out so that the type checker knows it is the models' Literal apiVersion."""
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 
@@ -37,7 +38,7 @@ class ApiModel(BaseModel):
         validate_default=True,
     )
 
-    def to_api(self) -> dict:
+    def to_api(self) -> dict[str, Any]:
         """The object as Kubernetes stores it: camelCase keys, unset optional fields left out."""
         return self.model_dump(by_alias=True, exclude_none=True, mode="json")
 

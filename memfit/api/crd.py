@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
 
 from memfit.api.base import GROUP, VERSION
 from memfit.api.finetunejob import FineTuneJobSpec, FineTuneJobStatus
@@ -74,7 +75,7 @@ def without_defaults(schema: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _object_schema(model: type, description: str) -> dict[str, Any]:
+def _object_schema(model: type[BaseModel], description: str) -> dict[str, Any]:
     schema = to_structural(model.model_json_schema(by_alias=True, mode="validation"))
     schema["description"] = description
     return schema
@@ -129,22 +130,18 @@ def _immutable_spec() -> dict[str, str]:
     }
 
 
+def _resource_schema(description: str, **parts: dict[str, Any]) -> dict[str, Any]:
+    """A custom resource's top-level schema: the standard fields, ``parts`` (spec, status), spec required."""
+    standard = {"apiVersion": {"type": "string"}, "kind": {"type": "string"}, "metadata": {"type": "object"}}
+    return {"type": "object", "description": description, "properties": {**standard, **parts}, "required": ["spec"]}
+
+
 def finetunejob_crd() -> dict[str, Any]:
-    schema = {
-        "type": "object",
-        "description": "A fine-tuning job that memfit plans to fit the declared GPUs, launches and follows.",
-        "properties": {
-            "apiVersion": {"type": "string"},
-            "kind": {"type": "string"},
-            "metadata": {"type": "object"},
-            "spec": {
-                **_object_schema(FineTuneJobSpec, "The desired job."),
-                "x-kubernetes-validations": [_immutable_spec()],
-            },
-            "status": without_defaults(_object_schema(FineTuneJobStatus, "Observed state, written by the operator.")),
-        },
-        "required": ["spec"],
-    }
+    schema = _resource_schema(
+        "A fine-tuning job that memfit plans to fit the declared GPUs, launches and follows.",
+        spec={**_object_schema(FineTuneJobSpec, "The desired job."), "x-kubernetes-validations": [_immutable_spec()]},
+        status=without_defaults(_object_schema(FineTuneJobStatus, "Observed state, written by the operator.")),
+    )
     columns = [
         _column("Status", ".status.phase", description="Where the job is"),
         _column("Method", ".status.plan.strategy.method", description="Planned method"),
@@ -161,17 +158,9 @@ def finetunejob_crd() -> dict[str, Any]:
 
 
 def gpupool_crd() -> dict[str, Any]:
-    schema = {
-        "type": "object",
-        "description": "The declared inventory of one pool of identical GPU nodes.",
-        "properties": {
-            "apiVersion": {"type": "string"},
-            "kind": {"type": "string"},
-            "metadata": {"type": "object"},
-            "spec": _object_schema(GPUPoolSpec, "The pool."),
-        },
-        "required": ["spec"],
-    }
+    schema = _resource_schema(
+        "The declared inventory of one pool of identical GPU nodes.", spec=_object_schema(GPUPoolSpec, "The pool.")
+    )
     columns = [
         _column("Product", ".spec.gpuProduct"),
         _column("GPUs/Node", ".spec.gpusPerNode", "integer"),

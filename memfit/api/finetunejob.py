@@ -263,7 +263,10 @@ class FineTuneJobSpec(ApiModel):
                 f"training.globalBatchSize ({batch}) is not divisible by strategy.microBatchSize "
                 f"({strategy.micro_batch_size})"
             )
-        if self.training.optimizer in EIGHT_BIT_OPTIMIZERS and strategy.offload_optimizer in (Offload.CPU, Offload.NVME):
+        if self.training.optimizer in EIGHT_BIT_OPTIMIZERS and strategy.offload_optimizer in (
+            Offload.CPU,
+            Offload.NVME,
+        ):
             raise ValueError("8-bit optimizers run on the GPU; they cannot be combined with strategy.offloadOptimizer")
         self.model.architecture.shape().resolve_lora_targets(tuple(self.lora.target_modules))
         return self

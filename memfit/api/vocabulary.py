@@ -25,13 +25,6 @@ PlannedMethod = Literal[Method.FULL, Method.LORA, Method.QLORA]
 """A method a plan can run (never auto)."""
 
 
-def planned_method(method: Method) -> PlannedMethod:
-    """``method`` as a plan holds it; auto is for the planner to resolve, never a plan's."""
-    if method is Method.AUTO:
-        raise ValueError("method auto is resolved by the planner, never planned")
-    return method
-
-
 class Precision(StrEnum):
     AUTO = "auto"
     BF16 = "bf16"
@@ -41,13 +34,6 @@ class Precision(StrEnum):
 
 PlannedPrecision = Literal[Precision.BF16, Precision.FP16, Precision.FP32]
 """A precision a plan can run (never auto)."""
-
-
-def planned_precision(precision: Precision) -> PlannedPrecision:
-    """``precision`` as a plan holds it; auto is for the planner to resolve, never a plan's."""
-    if precision is Precision.AUTO:
-        raise ValueError("precision auto is resolved by the planner, never planned")
-    return precision
 
 
 class Offload(StrEnum):

@@ -7,8 +7,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-EXIT_OK, EXIT_NO_FIT, EXIT_BAD_INPUT = 0, 1, 2
+from memfit.cli.exit_codes import ExitCode
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -20,7 +21,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     if not args.local:
         print("memfit run: only --local is supported: on a cluster, `kubectl apply -f` the job", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
     from memfit.cli.run_command import run_local
 
     return run_local(args.job, args.nproc, args.mount, args.workdir, args.dry_run)
@@ -30,16 +31,18 @@ def _crd(args: argparse.Namespace) -> int:
     from memfit.api.crd import crd_documents_yaml
 
     sys.stdout.write(crd_documents_yaml())
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _operator(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
+    # The one place the core reaches into the operator package, lazily: `memfit operator` is how the
+    # operator image starts it, and nothing else in `memfit` needs kopf or kubernetes installed.
     from memfit_operator.main import run_operator
     from memfit_operator.settings import OperatorSettings
 
-    flags = {
+    flags: dict[str, Any] = {
         "namespace": args.namespace,
         "trainer_image": args.trainer_image,
         "standalone": args.standalone or None,
@@ -48,16 +51,16 @@ def _operator(args: argparse.Namespace) -> int:
         "health_port": args.health_port,
     }
     settings = replace(OperatorSettings.from_environment(), **{k: v for k, v in flags.items() if v is not None})
-    ports = {"metrics_port": settings.metrics_port or None, "health_port": settings.health_port or None}
+    ports: dict[str, Any] = {"metrics_port": settings.metrics_port or None, "health_port": settings.health_port or None}
     run_operator(replace(settings, **ports))
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _presets(args: argparse.Namespace) -> int:
     from memfit.cli.catalog_command import print_catalog
 
     print_catalog()
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,7 +10,7 @@ import yaml
 
 from memfit.api.finetunejob import FineTuneJob
 from memfit.api.loading import InputError, load_documents
-from memfit.cli.main import EXIT_BAD_INPUT, EXIT_NO_FIT, EXIT_OK
+from memfit.cli.exit_codes import ExitCode
 from memfit.cli.plan_table import print_plan_table
 from memfit.planner.search import PlanningError, plan_job
 from memfit.render.deepspeed import deepspeed_config
@@ -39,7 +39,7 @@ def run_plan(
         result = plan_job(job.spec, documents.pools)
     except (InputError, PlanningError) as error:
         print(f"memfit plan: error: {error}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
 
     if output == "table":
         print_plan_table(job, result)
@@ -53,4 +53,4 @@ def run_plan(
         config = deepspeed_config(job.spec, result.chosen.strategy)
         ds_config_path.write_text(json.dumps(config, indent=2) + "\n")
         print(f"DeepSpeed config written to {ds_config_path}", file=sys.stderr)
-    return EXIT_OK if result.chosen is not None else EXIT_NO_FIT
+    return ExitCode.OK if result.chosen is not None else ExitCode.NO_FIT

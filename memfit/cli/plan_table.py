@@ -7,6 +7,7 @@ from rich.table import Table
 
 from memfit.api.finetunejob import FineTuneJob
 from memfit.api.plan import PlanCandidate, PlanResult
+from memfit.api.vocabulary import Offload
 
 GIB = 1024**3
 RUNNERS_UP = 5
@@ -32,9 +33,9 @@ def why_lost(candidate: PlanCandidate, chosen: PlanCandidate) -> str:
         differences.append(f"{a.gpus} GPUs instead of {b.gpus}")
     if a.zero_stage == 3 and b.zero_stage != 3:
         differences.append("ZeRO-3 gathers weights every pass")
-    if a.offload_optimizer != "none" and b.offload_optimizer == "none":
+    if a.offload_optimizer != Offload.NONE and b.offload_optimizer == Offload.NONE:
         differences.append(f"optimizer on {a.offload_optimizer}")
-    if a.offload_parameters != "none" and b.offload_parameters == "none":
+    if a.offload_parameters != Offload.NONE and b.offload_parameters == Offload.NONE:
         differences.append(f"weights on {a.offload_parameters}")
     if a.gradient_checkpointing and not b.gradient_checkpointing:
         differences.append("recomputes activations")

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from memfit.api.finetunejob import FineTuneJob
 from memfit.api.loading import InputError, load_documents
+from memfit.cli.exit_codes import ExitCode
 from memfit.cli.local_machine import inspect_machine, local_pool
-from memfit.cli.main import EXIT_BAD_INPUT, EXIT_NO_FIT
 from memfit.contract.trainer_config import MetricsConfig
 from memfit.planner.search import PlanningError, plan_job
 from memfit.render.trainer_config import Mounts, inside, render_trainer_config
@@ -71,12 +71,12 @@ def run_local(job_file: Path, ranks: int | None, mount_args: list[str], workdir:
         result = plan_job(spec, [pool])
     except (InputError, PlanningError, ValueError) as error:
         print(f"memfit run: error: {error}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
     if result.chosen is None:
         print("memfit run: nothing fits this machine:", file=sys.stderr)
         for line in result.advice:
             print(f"  - {line}", file=sys.stderr)
-        return EXIT_NO_FIT
+        return ExitCode.NO_FIT
     if result.chosen.strategy.gpus != ranks:
         print(f"memfit run: the plan uses {result.chosen.strategy.gpus} of {ranks} ranks "
               "(globalBatchSize must be divisible by the rank count)", file=sys.stderr)  # fmt: skip

@@ -11,11 +11,12 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from memfit.api.plan import Strategy
+from memfit.api.vocabulary import Method, Precision
 
 
 class CheckpointLayout(NamedTuple):
-    method: str
-    precision: str
+    method: Method
+    precision: Precision
     zero_stage: int
     world_size: int
 

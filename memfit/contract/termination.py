@@ -4,6 +4,8 @@ Kubernetes copies the container's termination message file into
 ``status.containerStatuses[].state.terminated.message`` (at most 4096 bytes). ``torchrun`` reports every
 failed worker as exit code 1, so the message, not the exit code, carries the reason:
 
+Its ``reason`` is a ``memfit.api.vocabulary.TerminationReason``:
+
 * ``{"reason": "OutOfMemory", ...}``: a GPU ran out of memory (memfit_trainer.oom); the operator re-plans;
 * ``{"reason": "ConfigError", "message": ...}``: the trainer refused its config or data before training
   (exit code 2); restarting cannot help, so the operator fails the job with the message.
@@ -21,10 +23,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from memfit.api.vocabulary import TerminationReason
+
 DEFAULT_TERMINATION_LOG = "/dev/termination-log"
 MAX_TERMINATION_MESSAGE_BYTES = 4096
-OOM_REASON = "OutOfMemory"
-CONFIG_ERROR_REASON = "ConfigError"
 
 
 def fitted_message(fields: dict[str, Any], message: str, limit: int = MAX_TERMINATION_MESSAGE_BYTES) -> str:
@@ -72,4 +74,4 @@ def report_config_error(error: str, path: str | Path = DEFAULT_TERMINATION_LOG) 
     has it; a local run outside a container usually cannot create /dev/termination-log, and needs none)."""
     print(f"memfit-train: {error}", file=sys.stderr, flush=True)
     with contextlib.suppress(OSError):
-        write_termination_message(fitted_message({"reason": CONFIG_ERROR_REASON}, error), path)
+        write_termination_message(fitted_message({"reason": TerminationReason.CONFIG_ERROR}, error), path)

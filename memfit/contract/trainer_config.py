@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from pydantic import Field, PositiveInt, ValidationError, model_validator
 
 from memfit.api.base import ApiModel
 from memfit.api.loading import describe_validation_error
+from memfit.api.vocabulary import Attention, DatasetFormat, Optimizer, PlannedMethod, PlannedPrecision
 from memfit.contract.layout import CheckpointLayout
 from memfit.model_shape import ModelShape
 
-CONFIG_VERSION = 1
+CONFIG_VERSION: Final = 1
 
 
 class ConfigError(ValueError):
@@ -47,7 +48,7 @@ class ModelConfig(ApiModel):
 class DataConfig(ApiModel):
     path: str
     """A file or a directory of jsonl, parquet or arrow files."""
-    format: Literal["jsonl", "parquet", "arrow"] | None = None
+    format: DatasetFormat | None = None
     text_field: str | None = None
     messages_field: str | None = None
     streaming: bool = False
@@ -61,7 +62,7 @@ class LoraConfig(ApiModel):
 
 
 class TrainingConfig(ApiModel):
-    method: Literal["full", "lora", "qlora"]
+    method: PlannedMethod
     sequence_length: PositiveInt
     micro_batch_size: PositiveInt
     gradient_accumulation_steps: PositiveInt
@@ -72,10 +73,10 @@ class TrainingConfig(ApiModel):
     warmup_ratio: float = Field(default=0.03, ge=0, lt=1)
     weight_decay: float = Field(default=0.0, ge=0)
     max_grad_norm: float = Field(default=1.0, gt=0)
-    optimizer: Literal["adamw", "adamw8bit", "paged_adamw8bit", "adafactor", "lion"] = "adamw"
-    precision: Literal["bf16", "fp16", "fp32"]
+    optimizer: Optimizer = Optimizer.ADAMW
+    precision: PlannedPrecision
     gradient_checkpointing: bool = False
-    attention: Literal["sdpa", "eager", "flash"] = "sdpa"
+    attention: Attention = Attention.SDPA
     seed: int = 42
     checkpoint_every_steps: PositiveInt = 500
     keep_checkpoints: PositiveInt = 2

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memfit.api.vocabulary import Attention, Method, Precision
 from memfit.memory.states import FP32
 from memfit.model_shape import ModelFamily, ModelShape
 
@@ -33,12 +34,12 @@ LOSS_BYTES_PER_LOGIT = 3 * FP32
 class ActivationSetup:
     """What decides activation memory (a plan's knobs minus the ones that only move model states)."""
 
-    method: str
-    precision: str
+    method: Method
+    precision: Precision
     gradient_checkpointing: bool
     micro_batch_size: int
     sequence_length: int
-    attention: str
+    attention: Attention
     lora_rank: int = 0
     lora_targets: frozenset[str] = frozenset()
     lora_dropout: bool = True
@@ -52,7 +53,7 @@ class ActivationSetup:
 
     @property
     def element_bytes(self) -> int:
-        return FP32 if self.precision == "fp32" else 2
+        return FP32 if self.precision == Precision.FP32 else 2
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,9 @@ class ActivationEstimate:
 
 def uses_eager_attention(shape: ModelShape, setup: ActivationSetup) -> bool:
     """Gemma 2 soft-caps attention scores, which SDPA cannot do: transformers runs it eagerly."""
-    return setup.attention == "eager" or (shape.family is ModelFamily.GEMMA2 and setup.attention != "flash")
+    return setup.attention == Attention.EAGER or (
+        shape.family is ModelFamily.GEMMA2 and setup.attention != Attention.FLASH
+    )
 
 
 def _rms_norm(shape: ModelShape, setup: ActivationSetup, output_kept: bool) -> int:
@@ -85,7 +88,7 @@ def _rms_norm(shape: ModelShape, setup: ActivationSetup, output_kept: bool) -> i
     kept by the linear layers it feeds only when their weights are trained."""
     t, h, w = setup.tokens, shape.hidden_size, setup.element_bytes
     kept = t * (h * FP32 + FP32)
-    if setup.method == "full":
+    if setup.method == Method.FULL:
         kept += t * h * (FP32 if shape.family is ModelFamily.GEMMA2 else w)
     if output_kept:
         kept += t * h * w
@@ -93,7 +96,7 @@ def _rms_norm(shape: ModelShape, setup: ActivationSetup, output_kept: bool) -> i
 
 
 def _norms(shape: ModelShape, setup: ActivationSetup) -> int:
-    full = setup.method == "full"
+    full = setup.method == Method.FULL
     if shape.family is ModelFamily.GEMMA2:  # pre-norms feed linears, post-norms feed the residual add
         return 2 * _rms_norm(shape, setup, full) + 2 * _rms_norm(shape, setup, False)
     return shape.norms_per_layer * _rms_norm(shape, setup, full)
@@ -125,7 +128,7 @@ def _mlp(shape: ModelShape, setup: ActivationSetup) -> int:
     """Gated MLP: gate (for the activation), act(gate) and up (for their product), and the product
     (for down_proj's weight gradient, so only when it is trained). MoE: the routed experts' tokens."""
     width = shape.intermediate_size * (shape.experts_per_token if shape.is_moe else 1)
-    kept = 4 if setup.method == "full" else 3
+    kept = 4 if setup.method == Method.FULL else 3
     return kept * setup.tokens * width * setup.element_bytes
 
 
@@ -137,7 +140,7 @@ _SHARED_INPUTS = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "qkv_pro
 def _lora(shape: ModelShape, setup: ActivationSetup) -> int:
     """Adapters keep their input (their own copy when dropout or a dtype cast makes one, with the
     dropout's bool mask) and the rank-r output of lora_A, both in the adapters' dtype."""
-    if setup.method == "full":
+    if setup.method == Method.FULL:
         return 0
     t, w, adapter = setup.tokens, setup.element_bytes, setup.adapter_bytes
     copies = setup.lora_dropout or adapter != w
@@ -165,7 +168,7 @@ def head_and_loss(shape: ModelShape, setup: ActivationSetup) -> int:
     loss = setup.tokens * shape.vocab_size * LOSS_BYTES_PER_LOGIT
     if shape.family is ModelFamily.GEMMA2:
         loss += setup.tokens * shape.vocab_size * setup.element_bytes
-    return _rms_norm(shape, setup, setup.method == "full") + loss
+    return _rms_norm(shape, setup, setup.method == Method.FULL) + loss
 
 
 def _eager_attention_backward(shape: ModelShape, setup: ActivationSetup, per_layer: int) -> int:
@@ -173,7 +176,7 @@ def _eager_attention_backward(shape: ModelShape, setup: ActivationSetup, per_lay
     16-bit, like the scores) are alive, and in full fine-tuning so are the MLP weights' gradients."""
     t, w = setup.tokens, setup.element_bytes
     scores_gradient = setup.micro_batch_size * shape.num_attention_heads * setup.sequence_length**2 * (FP32 + w)
-    mlp_weights = sum(m.weight_parameters for m in shape.layer_linears[-3:]) * w if setup.method == "full" else 0
+    mlp_weights = sum(m.weight_parameters for m in shape.layer_linears[-3:]) * w if setup.method == Method.FULL else 0
     return per_layer - _mlp(shape, setup) + scores_gradient + 2 * t * shape.hidden_size * w + mlp_weights
 
 
@@ -183,7 +186,7 @@ def layer_backward_moment(shape: ModelShape, setup: ActivationSetup, per_layer: 
     cast back from the adapters' dtype), or, with eager attention, the scores' gradients."""
     t, w, i = setup.tokens, setup.element_bytes, shape.intermediate_size
     mlp = t * (2 * i * w + 2 * shape.hidden_size * w)
-    if setup.method != "full" and "down_proj" in setup.lora_targets:
+    if setup.method != Method.FULL and "down_proj" in setup.lora_targets:
         mlp += t * i * (setup.adapter_bytes + w)
     moment = per_layer + mlp
     if uses_eager_attention(shape, setup):

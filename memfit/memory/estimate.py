@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.api.plan import PerGPUMemory, PerNodeMemory, PlanMemory, Strategy
+from memfit.api.vocabulary import Method, Precision
 from memfit.memory.activations import ActivationEstimate, ActivationSetup
 from memfit.memory.overhead import FRAGMENTATION, communication_buffer_bytes, runtime_bytes
 from memfit.memory.states import ModelStates, compute_bytes, model_states, trainable_split
@@ -37,7 +38,7 @@ class LoraSettings:
 def activation_setup(
     shape: ModelShape, strategy: Strategy, sequence_length: int, lora: LoraSettings
 ) -> ActivationSetup:
-    targets = shape.resolve_lora_targets(lora.targets) if strategy.method != "full" else frozenset()
+    targets = shape.resolve_lora_targets(lora.targets) if strategy.method != Method.FULL else frozenset()
     return ActivationSetup(
         method=strategy.method,
         precision=strategy.precision,
@@ -45,7 +46,7 @@ def activation_setup(
         micro_batch_size=strategy.micro_batch_size,
         sequence_length=sequence_length,
         attention=strategy.attention,
-        lora_rank=lora.rank if strategy.method != "full" else 0,
+        lora_rank=lora.rank if strategy.method != Method.FULL else 0,
         lora_targets=targets,
         lora_dropout=lora.dropout,
         adapter_bytes=compute_bytes(strategy.precision),  # DeepSpeed's engine casts adapters to it
@@ -60,7 +61,7 @@ def host_memory_per_node(shape: ModelShape, strategy: Strategy, states: ModelSta
     GPU, so neither holds the whole model on the host."""
     ranks = strategy.gpus_per_node
     steady = ranks * (states.cpu_per_rank + HOST_BYTES_PER_RANK)
-    streams = strategy.zero_stage == 3 or strategy.method == "qlora"
+    streams = strategy.zero_stage == 3 or strategy.method == Method.QLORA
     loading = 0 if streams else ranks * (2 * shape.parameter_count + HOST_BYTES_PER_RANK)
     return max(steady, loading), ranks * states.nvme_per_rank
 
@@ -115,8 +116,8 @@ class GradientTimeline:
     alive together."""
 
 
-def gradient_timeline(shape: ModelShape, method: str, precision: str) -> GradientTimeline:
-    if method != "full":
+def gradient_timeline(shape: ModelShape, method: Method, precision: Precision) -> GradientTimeline:
+    if method != Method.FULL:
         return GradientTimeline(0, 0, 0)
     w = compute_bytes(precision)
     head = shape.vocab_size * shape.hidden_size * w

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from memfit.api.plan import Strategy
+from memfit.api.vocabulary import Method, Offload, Optimizer, Precision
 from memfit.model_shape import ModelShape
 
 FP32 = 4
@@ -25,19 +26,19 @@ NF4_BYTES_PER_PARAMETER = (4 + 8 / NF4_BLOCK + 32 / (NF4_BLOCK * NF4_DOUBLE_QUAN
 """4.127 bits: the 4-bit code, the 8-bit absmax per block, the fp32 second-level scale."""
 
 
-def compute_bytes(precision: str) -> int:
+def compute_bytes(precision: Precision) -> int:
     """Bytes of one weight, gradient or activation element in the compute precision."""
-    return FP32 if precision == "fp32" else 2
+    return FP32 if precision == Precision.FP32 else 2
 
 
-def optimizer_bytes_per_parameter(optimizer: str, mixed_precision: bool) -> float:
+def optimizer_bytes_per_parameter(optimizer: Optimizer, mixed_precision: bool) -> float:
     """Optimizer state bytes per trainable parameter, with the fp32 master copy mixed precision keeps."""
     states = {
-        "adamw": 8.0,  # momentum + variance, fp32
-        "adamw8bit": 2.0 + 2 * 4 / 256,  # two 8-bit states + an fp32 absmax per 256-element block each
-        "paged_adamw8bit": 2.0 + 2 * 4 / 256,
-        "lion": 4.0,  # momentum only
-        "adafactor": 0.0,  # factored second moment: see factored_state_elements, counted separately
+        Optimizer.ADAMW: 8.0,  # momentum + variance, fp32
+        Optimizer.ADAMW_8BIT: 2.0 + 2 * 4 / 256,  # two 8-bit states + an fp32 absmax per 256-element block each
+        Optimizer.PAGED_ADAMW_8BIT: 2.0 + 2 * 4 / 256,
+        Optimizer.LION: 4.0,  # momentum only
+        Optimizer.ADAFACTOR: 0.0,  # factored second moment: see factored_state_elements, counted separately
     }[optimizer]
     return states + (FP32 if mixed_precision else 0.0)
 
@@ -57,9 +58,9 @@ class TrainableSplit:
 
 
 @lru_cache(maxsize=256)
-def trainable_split(shape: ModelShape, method: str, lora_rank: int, lora_targets: tuple[str, ...]) -> TrainableSplit:
+def trainable_split(shape: ModelShape, method: Method, lora_rank: int, lora_targets: tuple[str, ...]) -> TrainableSplit:
     total = shape.parameter_count
-    if method == "full":
+    if method == Method.FULL:
         matrices = shape.num_layers * sum((m.in_features + m.out_features) * m.count for m in shape.layer_linears)
         embeddings = (shape.vocab_size + shape.hidden_size) * (1 if shape.tie_word_embeddings else 2)
         vectors = shape.norm_parameters  # 1-d parameters keep a full second moment
@@ -71,7 +72,7 @@ def trainable_split(shape: ModelShape, method: str, lora_rank: int, lora_targets
         for m in shape.layer_linears
         if m.name in targets
     )
-    if method == "qlora":
+    if method == Method.QLORA:
         quantized = shape.quantizable_parameters
         return TrainableSplit(total + adapters, adapters, quantized, total - quantized, factored)
     return TrainableSplit(total + adapters, adapters, 0, total, factored)
@@ -107,7 +108,7 @@ def model_states(shape: ModelShape, strategy: Strategy, lora_rank: int, lora_tar
     n = strategy.gpus
     stage = strategy.zero_stage
     w = compute_bytes(strategy.precision)
-    mixed = strategy.precision != "fp32"
+    mixed = strategy.precision != Precision.FP32
 
     # QLoRA: only the decoder linears are 4-bit. peft's k-bit preparation upcasts the rest to fp32,
     # but DeepSpeed's bf16/fp16 engine casts every non-quantized parameter, adapters included, back
@@ -118,11 +119,11 @@ def model_states(shape: ModelShape, strategy: Strategy, lora_rank: int, lora_tar
 
     keeps_master = mixed
     opt_per_param = optimizer_bytes_per_parameter(strategy.optimizer, keeps_master)
-    optimizer = split.trainable * opt_per_param
-    if strategy.optimizer == "adafactor":
+    optimizer: float = split.trainable * opt_per_param
+    if strategy.optimizer == Optimizer.ADAFACTOR:
         optimizer += split.factored_state_elements * FP32
-    grads = split.trainable * trainable_bytes
-    step_grads = split.trainable * FP32 if keeps_master else 0
+    grads: float = split.trainable * trainable_bytes
+    step_grads: float = split.trainable * FP32 if keeps_master else 0
 
     if stage >= 1:
         optimizer /= n
@@ -130,29 +131,29 @@ def model_states(shape: ModelShape, strategy: Strategy, lora_rank: int, lora_tar
     if stage >= 2:
         grads /= n
     # Under ZeRO-3 the module being reduced holds its full gradient before the reduce-scatter.
-    gathered_grads = shape.largest_layer_parameters * w if stage == 3 and strategy.method == "full" else 0
+    gathered_grads = shape.largest_layer_parameters * w if stage == 3 and strategy.method == Method.FULL else 0
     if stage == 3:
         working_set = zero3_working_set(shape) * w
         weights = weights / n + working_set
         grads += gathered_grads
-        if strategy.offload_parameters != "none":
+        if strategy.offload_parameters != Offload.NONE:
             weights = working_set
 
     cpu = nvme = 0.0
-    if strategy.offload_optimizer != "none":
+    if strategy.offload_optimizer != Offload.NONE:
         # Master weights and states move to the host, and reduced gradient partitions are copied
         # straight into the fp32 buffers the CPU optimizer reads: the GPU keeps only the buckets
         # (and, under ZeRO-3, the full gradient of the module being reduced).
         cpu += step_grads
         grads = gathered_grads
-        if strategy.offload_optimizer == "cpu":
+        if strategy.offload_optimizer == Offload.CPU:
             cpu += optimizer
         else:
             nvme += optimizer
         optimizer = step_grads = 0
-    if stage == 3 and strategy.offload_parameters != "none":
+    if stage == 3 and strategy.offload_parameters != Offload.NONE:
         shard = (frozen_bytes + split.trainable * trainable_bytes) / n
-        if strategy.offload_parameters == "cpu":
+        if strategy.offload_parameters == Offload.CPU:
             cpu += shard
         else:
             nvme += shard

@@ -3,6 +3,7 @@ from __future__ import annotations
 import time
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from memfit.api.finetunejob import FineTuneJobSpec
 from memfit.api.gpupool import GPUPool, PoolCapacity, pool_capacity
@@ -15,8 +16,6 @@ from memfit.api.vocabulary import (
     PlannedMethod,
     PlannedPrecision,
     Precision,
-    planned_method,
-    planned_precision,
 )
 from memfit.memory.activations import ActivationEstimate, estimate_activations
 from memfit.memory.estimate import (
@@ -80,8 +79,8 @@ class _Search:
     exclude: Collection[str]
     fits: list[tuple[_Evaluated, PlanThroughput]] = field(default_factory=list)
     nearest_misses: dict[tuple[str, int, int, str], _Evaluated] = field(default_factory=dict)
-    static: dict[tuple, StaticMemory] = field(default_factory=dict)
-    activations: dict[tuple, ActivationEstimate] = field(default_factory=dict)
+    static: dict[tuple[str, int, Offload, Offload, int, int, str], StaticMemory] = field(default_factory=dict)
+    activations: dict[tuple[str, str, bool, int, Attention], ActivationEstimate] = field(default_factory=dict)
 
     @property
     def sequence_length(self) -> int:
@@ -160,9 +159,10 @@ def layouts(capacity: PoolCapacity, max_gpus: int | None, global_batch: int) -> 
 
 def _methods(spec: FineTuneJobSpec) -> list[PlannedMethod]:
     """auto prefers the method that changes the model least: full, then LoRA, then QLoRA."""
-    if spec.method is Method.AUTO:
+    method = spec.method
+    if method is Method.AUTO:
         return [Method.FULL, Method.LORA, Method.QLORA]
-    return [planned_method(spec.method)]
+    return [method]
 
 
 def _precisions(spec: FineTuneJobSpec, capacity: PoolCapacity) -> list[PlannedPrecision]:
@@ -171,7 +171,7 @@ def _precisions(spec: FineTuneJobSpec, capacity: PoolCapacity) -> list[PlannedPr
         return [Precision.BF16 if capacity.bf16 else Precision.FP16]
     if pinned is Precision.BF16 and not capacity.bf16:
         return []  # the GPU cannot run it; reported by advise() if nothing else fits
-    return [planned_precision(pinned)]
+    return [pinned]
 
 
 def _zero_options(
@@ -185,21 +185,23 @@ def _zero_options(
     devices = [Offload.NONE, Offload.CPU] + ([Offload.NVME] if capacity.nvme_bytes_per_node else [])
     eight_bit = spec.training.optimizer in EIGHT_BIT_OPTIMIZERS
     for stage in stages:
-        if method == "qlora" and stage == 3:
+        if method == Method.QLORA and stage == 3:
             continue
         if pinned.zero_stage is None and (stage == 0 if gpus > 1 else stage == 2):
             continue
         for opt in _pinned_or(pinned.offload_optimizer, devices):
             # Offload needs ZeRO; adapters' states are too small to be worth moving; 8-bit states stay on GPU.
-            if opt != "none" and (stage == 0 or (method != "full" and pinned.offload_optimizer is None) or eight_bit):
+            if opt != Offload.NONE and (
+                stage == 0 or (method != Method.FULL and pinned.offload_optimizer is None) or eight_bit
+            ):
                 continue
             for params in _pinned_or(pinned.offload_parameters, devices if stage == 3 else [Offload.NONE]):
-                if method == "qlora" and params != "none":
+                if method == Method.QLORA and params != Offload.NONE:
                     continue
                 single_gpu_duplicate = (
                     gpus == 1
                     and pinned.zero_stage is None
-                    and ((stage == 1 and opt == "none") or (stage == 3 and params == "none"))
+                    and ((stage == 1 and opt == Offload.NONE) or (stage == 3 and params == Offload.NONE))
                 )
                 if not single_gpu_duplicate:
                     yield stage, opt, params
@@ -345,7 +347,7 @@ def _shortfall_reason(memory: PlanMemory, limit: int, capacity: PoolCapacity) ->
     return f"NVMe: needs {nvme / GIB:.1f} GiB per node, the pool has {capacity.nvme_bytes_per_node / GIB:.1f} GiB"
 
 
-def _candidate_fields(search: _Search, evaluated: _Evaluated, throughput: PlanThroughput) -> dict:
+def _candidate_fields(search: _Search, evaluated: _Evaluated, throughput: PlanThroughput) -> dict[str, Any]:
     return {
         "strategy": evaluated.strategy,
         "parameter_count": search.shape.parameter_count,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from memfit.api.gpupool import PoolCapacity
 from memfit.api.plan import PlanThroughput, Strategy
+from memfit.api.vocabulary import Method, Offload, Precision
 from memfit.memory.states import compute_bytes
 from memfit.model_shape import ModelShape
 
@@ -30,16 +31,16 @@ def _training_flops_per_token(shape: ModelShape, strategy: Strategy, sequence_le
     """Forward 2N + causal attention; backward 2x forward for full training, 1x when the base is
     frozen (no weight gradients); checkpointing repeats the forward."""
     forward = 2 * shape.active_parameters_per_token + 2 * shape.num_layers * sequence_length * shape.q_size
-    backward = 2 * forward if strategy.method == "full" else forward
+    backward = 2 * forward if strategy.method == Method.FULL else forward
     recompute = forward if strategy.gradient_checkpointing else 0
     return forward + backward + recompute
 
 
-def peak_flops(pool: PoolCapacity, precision: str) -> float:
+def peak_flops(pool: PoolCapacity, precision: Precision) -> float:
     """Dense peak FLOP/s of one GPU of the pool in ``precision`` (catalog or pool spec: not measured)."""
-    if precision == "bf16" and pool.peak_flops_bf16:
+    if precision == Precision.BF16 and pool.peak_flops_bf16:
         return pool.peak_flops_bf16
-    if precision == "fp32":
+    if precision == Precision.FP32:
         return pool.peak_flops_fp16 / FP32_SLOWDOWN
     return pool.peak_flops_fp16
 
@@ -74,16 +75,16 @@ def _offload_seconds(shape: ModelShape, strategy: Strategy, pool: PoolCapacity, 
     n, per_node = strategy.gpus, strategy.gpus_per_node
     shard = trainable / n
     seconds = 0.0
-    if strategy.offload_optimizer != "none":
+    if strategy.offload_optimizer != Offload.NONE:
         seconds += shard / (CPU_ADAM_PARAMS_PER_SECOND_PER_NODE / per_node)
         seconds += 4 * shard / pool.pcie_bytes_per_second  # 16-bit grads down, 16-bit weights up
-        if strategy.offload_optimizer == "nvme":
+        if strategy.offload_optimizer == Offload.NVME:
             seconds += 2 * 12 * shard / (pool.nvme_bytes_per_second / per_node)  # read and write states
-    if strategy.offload_parameters != "none":
+    if strategy.offload_parameters != Offload.NONE:
         passes = (3 if strategy.gradient_checkpointing else 2) * strategy.gradient_accumulation_steps
         weights = 2 * shape.parameter_count / n * passes
         bandwidth = pool.pcie_bytes_per_second
-        if strategy.offload_parameters == "nvme":
+        if strategy.offload_parameters == Offload.NVME:
             bandwidth = min(bandwidth, pool.nvme_bytes_per_second / per_node)
         seconds += weights / bandwidth
     return seconds
@@ -100,10 +101,10 @@ def estimate_throughput(
     efficiency = PEAK_EFFICIENCY * micro_tokens / (micro_tokens + HALF_EFFICIENCY_TOKENS)
     flops = _training_flops_per_token(shape, strategy, sequence_length) * micro_tokens
     micro_seconds = flops / (peak_flops(pool, strategy.precision) * efficiency)
-    if strategy.method == "qlora":
+    if strategy.method == Method.QLORA:
         micro_seconds *= QLORA_SLOWDOWN
     compute = micro_seconds * strategy.gradient_accumulation_steps
-    frozen_16bit = shape.parameter_count if strategy.method == "lora" else 0  # ZeRO-3 also gathers the frozen base
+    frozen_16bit = shape.parameter_count if strategy.method == Method.LORA else 0  # ZeRO-3 also gathers the frozen base
     communication = _communication_seconds(shape, strategy, pool, trainable, frozen_16bit)
     step = compute + (1 - COMM_OVERLAP) * communication + max(0.0, COMM_OVERLAP * communication - compute)
     step += _offload_seconds(shape, strategy, pool, trainable)

@@ -10,6 +10,7 @@ from typing import Any
 
 from memfit.api.finetunejob import FineTuneJobSpec
 from memfit.api.plan import Strategy
+from memfit.api.vocabulary import Method, Offload, Optimizer, Precision
 from memfit.model_shape import ModelShape
 
 NVME_PATH = "/local_nvme"
@@ -19,11 +20,11 @@ STAGE12_BUCKET_ELEMENTS = 50_000_000
 """ZeRO-1/2 reduce and all-gather buckets (DeepSpeed's default is 5e8; with overlap_comm it keeps ~4.5
 buckets of each alive, 9 GB at 5e8: 5e7 costs 0.9 GB and still saturates NCCL)."""
 
-DEEPSPEED_OPTIMIZERS = {"adamw": "AdamW", "lion": "Lion"}
+DEEPSPEED_OPTIMIZERS = {Optimizer.ADAMW: "AdamW", Optimizer.LION: "Lion"}
 """Optimizers DeepSpeed builds itself (fused on GPU, its CPU kernels under offload). The others are
 built by the trainer (bitsandbytes 8-bit, transformers Adafactor) and passed in as client optimizers."""
 
-BETAS = {"adamw": (0.9, 0.999), "lion": (0.9, 0.99)}
+BETAS = {Optimizer.ADAMW: (0.9, 0.999), Optimizer.LION: (0.9, 0.99)}
 
 
 def bucket_elements(shape: ModelShape, zero_stage: int) -> dict[str, int]:
@@ -36,9 +37,9 @@ def bucket_elements(shape: ModelShape, zero_stage: int) -> dict[str, int]:
     return {}
 
 
-def default_learning_rate(method: str) -> float:
+def default_learning_rate(method: Method) -> float:
     """LoRA tolerates (and needs) a learning rate about ten times that of full fine-tuning."""
-    return 2e-5 if method == "full" else 2e-4
+    return 2e-5 if method == Method.FULL else 2e-4
 
 
 def deepspeed_config(spec: FineTuneJobSpec, strategy: Strategy) -> dict[str, Any]:
@@ -54,9 +55,9 @@ def deepspeed_config(spec: FineTuneJobSpec, strategy: Strategy) -> dict[str, Any
         "wall_clock_breakdown": False,
         "zero_optimization": _zero_section(shape, strategy),
     }
-    if strategy.precision == "bf16":
+    if strategy.precision == Precision.BF16:
         config["bf16"] = {"enabled": True}
-    elif strategy.precision == "fp16":
+    elif strategy.precision == Precision.FP16:
         config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "hysteresis": 2}
     if strategy.optimizer in DEEPSPEED_OPTIMIZERS:
         config["optimizer"] = {
@@ -72,9 +73,9 @@ def deepspeed_config(spec: FineTuneJobSpec, strategy: Strategy) -> dict[str, Any
     return config
 
 
-def _offload(device: str) -> dict[str, Any]:
+def _offload(device: Offload) -> dict[str, Any]:
     section: dict[str, Any] = {"device": device, "pin_memory": True}
-    if device == "nvme":
+    if device == Offload.NVME:
         section["nvme_path"] = NVME_PATH
     return section
 
@@ -98,8 +99,8 @@ def _zero_section(shape: ModelShape, strategy: Strategy) -> dict[str, Any]:
                 "stage3_gather_16bit_weights_on_model_save": True,
             }
         )
-    if strategy.offload_optimizer != "none":
+    if strategy.offload_optimizer != Offload.NONE:
         zero["offload_optimizer"] = _offload(strategy.offload_optimizer)
-    if strategy.offload_parameters != "none":
+    if strategy.offload_parameters != Offload.NONE:
         zero["offload_param"] = _offload(strategy.offload_parameters)
     return zero

@@ -62,7 +62,7 @@ def render_trainer_config(
         model=ModelConfig(name_or_path=name_or_path, random_init=spec.model.random_init, architecture=shape),
         data=DataConfig(
             path=inside(mounts.data, spec.dataset.source.path),
-            format=spec.dataset.format.value,
+            format=spec.dataset.format,
             text_field=spec.dataset.text_field,
             messages_field=spec.dataset.messages_field,
             streaming=spec.dataset.streaming,

@@ -5,8 +5,8 @@ them in worker threads."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
@@ -20,10 +20,12 @@ JOBS = "finetunejobs"
 
 def load_credentials() -> client.ApiClient:
     """In-cluster credentials in a pod, else the kubeconfig (KUBECONFIG or ~/.kube/config)."""
+    # KUBECONFIG is read now, not at import. (kubernetes.config's loaders are unannotated, unlike the generated
+    # client: hence the ignores.)
     try:
-        config.load_incluster_config()
+        config.load_incluster_config()  # type: ignore[no-untyped-call]
     except ConfigException:
-        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))  # read now, not at import
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))  # type: ignore[no-untyped-call]
     return client.ApiClient()
 
 
@@ -34,14 +36,16 @@ class ClusterApi:
 
     def patch_job_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> dict[str, Any]:
         """Merge-patch ``status`` (keys set to None are removed) through the status subresource."""
-        return self.custom.patch_namespaced_custom_object_status(
+        patched = self.custom.patch_namespaced_custom_object_status(
             GROUP, VERSION, namespace, JOBS, name, {"status": dict(status)}
         )
+        return cast(dict[str, Any], patched)  # the client types a custom object as object: it is the JSON dict
 
     def create(self, manifest: Mapping[str, Any]) -> bool:
         """Create a Pod, ConfigMap or Service; False when it already exists."""
         namespace = manifest["metadata"]["namespace"]
-        creators = {
+        # The client types each body as its model (V1Pod, ...) but serializes a plain dict the same way.
+        creators: dict[str, Callable[[str, Any], object]] = {
             "Pod": self.core.create_namespaced_pod,
             "ConfigMap": self.core.create_namespaced_config_map,
             "Service": self.core.create_namespaced_service,

@@ -96,7 +96,7 @@ async def close(memo: kopf.Memo, **_: Any) -> None:
 
 
 @kopf.index("", "v1", "pods", labels={"app.kubernetes.io/managed-by": "memfit"})
-def trainer_pods(namespace: str, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> dict[Any, Any]:
+def trainer_pods(namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> dict[Any, Any]:
     """Pods by (namespace, job name): the parts the reconciler reads."""
     job = labels.get(JOB_LABEL)
     if job is None:
@@ -106,7 +106,7 @@ def trainer_pods(namespace: str, labels: Mapping[str, str], body: kopf.Body, **_
 
 
 @kopf.index(GROUP, VERSION, "gpupools")
-def gpu_pools(name: str, body: kopf.Body, logger: logging.Logger, **_: Any) -> dict[Any, Any]:
+def gpu_pools(name: str, body: kopf.Body, logger: kopf.Logger, **_: Any) -> dict[Any, Any]:
     """Every valid GPUPool under one key; an invalid one is left out with a log line (the API server's schema
     already refuses most mistakes, so this is the cross-field checks)."""
     try:
@@ -118,14 +118,14 @@ def gpu_pools(name: str, body: kopf.Body, logger: logging.Logger, **_: Any) -> d
 
 
 @kopf.on.event("", "v1", "pods", labels={"app.kubernetes.io/managed-by": "memfit"})
-def pod_changed(namespace: str, labels: Mapping[str, str], memo: kopf.Memo, **_: Any) -> None:
+def pod_changed(namespace: str | None, labels: Mapping[str, str], memo: kopf.Memo, **_: Any) -> None:
     runtime: Runtime | None = memo.get("runtime")
     if runtime is not None:
         runtime.wake(namespace, labels.get(JOB_LABEL))
 
 
 @kopf.on.event(GROUP, VERSION, JOBS)
-def job_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+def job_changed(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
     runtime: Runtime | None = memo.get("runtime")
     if runtime is not None:
         runtime.wake(namespace, name)
@@ -202,16 +202,18 @@ class JobFollower:
         metrics.job_status(self.key, decision.status)
 
 
-@kopf.daemon(GROUP, VERSION, JOBS, cancellation_timeout=5.0)
+# kopf passes the indexes by name (trainer_pods, gpu_pools) and a namespaced object's namespace as a str; its
+# DaemonFn protocol (namespace: str | None, no index arguments) can express neither.
+@kopf.daemon(GROUP, VERSION, JOBS, cancellation_timeout=5.0)  # type: ignore[arg-type]
 async def follow_job(
     namespace: str,
     name: str,
     body: kopf.Body,
     stopped: kopf.DaemonStopped,
     memo: kopf.Memo,
-    trainer_pods: kopf.Index,
-    gpu_pools: kopf.Index,
-    logger: logging.Logger,
+    trainer_pods: kopf.Index[tuple[str, str], dict[str, Any]],
+    gpu_pools: kopf.Index[None, GPUPool],
+    logger: kopf.Logger,
     **_: Any,
 ) -> None:
     runtime: Runtime = memo["runtime"]

@@ -9,7 +9,7 @@ stays null.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -57,7 +57,7 @@ def parse_trainer_metrics(text: str, world_size: int, now: datetime) -> Progress
     )
 
 
-def rank0_address(pods: list[Mapping[str, Any]], rank_label: str) -> str | None:
+def rank0_address(pods: Sequence[Mapping[str, Any]], rank_label: str) -> str | None:
     """The pod IP of node rank 0 among an attempt's pods, once it has one."""
     for pod in pods:
         if (pod.get("metadata", {}).get("labels") or {}).get(rank_label) == "0":

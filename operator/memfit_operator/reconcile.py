@@ -25,7 +25,7 @@ from memfit.api.finetunejob import Attempt, FineTuneJob, FineTuneJobSpec, FineTu
 from memfit.api.gpupool import GPUPool, pool_capacity
 from memfit.api.loading import describe_validation_error
 from memfit.api.plan import PlanCandidate
-from memfit.api.vocabulary import Phase
+from memfit.api.vocabulary import ConditionType, Outcome, Phase, Reason
 from memfit.planner.replan import checkpoint_layout, replan_after_oom
 from memfit.planner.search import PlanningError, plan_job
 from memfit.planner.throughput import peak_flops
@@ -33,7 +33,6 @@ from memfit.render.trainer_config import render_trainer_config
 from memfit_operator.objects import attempt_objects, attempt_of, pod_name
 from memfit_operator.status import (
     GangState,
-    PodOutcome,
     gang_state,
     memory_per_gpu,
     progress_display,
@@ -51,7 +50,7 @@ class Event:
     """A Kubernetes Event to post on the job."""
 
     type: Literal["Normal", "Warning"]
-    reason: str
+    reason: Reason
     message: str
 
 
@@ -98,7 +97,7 @@ class _Pass:
     def status(self) -> FineTuneJobStatus:
         return self.decision.status
 
-    def condition(self, type_: str, status: bool, reason: str, message: str) -> bool:
+    def condition(self, type_: ConditionType, status: bool, reason: Reason, message: str) -> bool:
         """Set a condition; True when it changed (status, reason or message)."""
         before = next((c for c in self.status.conditions if c.type == type_), None)
         self.status.conditions = set_condition(
@@ -107,7 +106,7 @@ class _Pass:
         return before is None or (before.status, before.reason, before.message) != (
             {True: "True", False: "False"}[status], reason, message)  # fmt: skip
 
-    def event(self, type_: Literal["Normal", "Warning"], reason: str, message: str) -> None:
+    def event(self, type_: Literal["Normal", "Warning"], reason: Reason, message: str) -> None:
         self.decision.events.append(Event(type_, reason, message))
 
     def phase(self, phase: Phase) -> bool:
@@ -142,7 +141,7 @@ def reconcile(observation: Observation, image: str) -> Decision:
     current = status.attempts[-1] if status.attempts else None
     if status.phase in TERMINAL:
         # Terminal stays terminal; only make sure no rank of the last attempt keeps a GPU busy.
-        run.delete_pods([p for p in run.attempt_pods(current) if report_pod(p).outcome is PodOutcome.RUNNING])
+        run.delete_pods([p for p in run.attempt_pods(current) if report_pod(p).outcome is Outcome.RUNNING])
         return run.decision
 
     job = _accepted_job(run)
@@ -157,8 +156,9 @@ def reconcile(observation: Observation, image: str) -> Decision:
         return run.decision
     if current is None or current.finished is not None:  # first launch, or resuming after a suspension
         if status.phase is Phase.SUSPENDED:
-            run.condition("Suspended", False, "Resumed", "spec.suspend is false: resuming from the last checkpoint")
-            run.event("Normal", "Resumed", "spec.suspend is false: resuming from the last checkpoint")
+            resuming = "spec.suspend is false: resuming from the last checkpoint"
+            run.condition(ConditionType.SUSPENDED, False, Reason.RESUMED, resuming)
+            run.event("Normal", Reason.RESUMED, resuming)
         _launch(run, job, status.plan, Phase.LAUNCHING, layout_kept=True)
         return run.decision
     _follow(run, job, status.plan, current)
@@ -191,21 +191,21 @@ def _accepted_job(run: _Pass) -> FineTuneJob | None:
     except ValidationError as error:
         message = describe_validation_error(error)
         if launched is None:
-            changed = run.condition("Ready", False, "InvalidSpec", message)
+            changed = run.condition(ConditionType.READY, False, Reason.INVALID_SPEC, message)
             run.phase(Phase.INVALID)
             if changed:
-                run.event("Warning", "InvalidSpec", message)
+                run.event("Warning", Reason.INVALID_SPEC, message)
             return None
         job = FineTuneJob.model_validate({"metadata": raw["metadata"], "spec": launched.to_api()})
         _reject_change(run, f"the changed spec is invalid ({message})")
         return _with_suspend(job, bool((raw.get("spec") or {}).get("suspend", False)))
     if launched is None:
         return job
-    changed = _changed_fields(launched, job.spec)
-    if changed:
-        _reject_change(run, f"{', '.join(changed)} changed after launch; only spec.suspend may change")
+    changed_fields = _changed_fields(launched, job.spec)
+    if changed_fields:
+        _reject_change(run, f"{', '.join(changed_fields)} changed after launch; only spec.suspend may change")
     elif status.phase not in (Phase.INVALID, Phase.UNSCHEDULABLE):
-        run.condition("Ready", True, "SpecAccepted", "the spec is valid and planned")
+        run.condition(ConditionType.READY, True, Reason.SPEC_ACCEPTED, "the spec is valid and planned")
     return _with_suspend(job.model_copy(update={"spec": launched}), job.spec.suspend)
 
 
@@ -222,30 +222,31 @@ def _changed_fields(launched: FineTuneJobSpec, spec: FineTuneJobSpec) -> list[st
 def _reject_change(run: _Pass, why: str) -> None:
     message = (f"{why}. The job continues with the spec it was launched with; revert the change, or delete the "
                "job and create a new one")  # fmt: skip
-    if run.condition("Ready", False, "SpecImmutable", message):
-        run.event("Warning", "SpecImmutable", message)
+    if run.condition(ConditionType.READY, False, Reason.SPEC_IMMUTABLE, message):
+        run.event("Warning", Reason.SPEC_IMMUTABLE, message)
 
 
 def _plan(run: _Pass, job: FineTuneJob) -> bool:
     """Plan a job that has no plan yet; False (and phase Unschedulable) when nothing fits."""
     status = run.status
+    chosen: PlanCandidate | None
     try:
         result = plan_job(job.spec, run.observation.pools, exclude=status.excluded_strategies)
     except PlanningError as error:
-        result, advice = None, str(error)
+        chosen, advice = None, str(error)
     else:
-        advice = "; ".join(result.advice) or "no strategy fits the declared GPUPools"
-    if result is None or result.chosen is None:
+        chosen, advice = result.chosen, "; ".join(result.advice) or "no strategy fits the declared GPUPools"
+    if chosen is None:
         message = f"nothing fits: {advice}"
-        changed = run.condition("Planned", False, "Unschedulable", message)
-        run.condition("Ready", False, "Unschedulable", message)
+        changed = run.condition(ConditionType.PLANNED, False, Reason.UNSCHEDULABLE, message)
+        run.condition(ConditionType.READY, False, Reason.UNSCHEDULABLE, message)
         run.phase(Phase.UNSCHEDULABLE)
         if changed:
-            run.event("Warning", "Unschedulable", message)
+            run.event("Warning", Reason.UNSCHEDULABLE, message)
         return False
-    _adopt_plan(run, result.chosen)
-    run.condition("Ready", True, "SpecAccepted", "the spec is valid and planned")
-    run.event("Normal", "Planned", _plan_message(result.chosen))
+    _adopt_plan(run, chosen)
+    run.condition(ConditionType.READY, True, Reason.SPEC_ACCEPTED, "the spec is valid and planned")
+    run.event("Normal", Reason.PLANNED, _plan_message(chosen))
     return True
 
 
@@ -256,7 +257,7 @@ def _plan_message(plan: PlanCandidate) -> str:
 def _adopt_plan(run: _Pass, plan: PlanCandidate) -> None:
     status = run.status
     status.plan, status.gpus, status.memory_per_gpu = plan, plan.strategy.gpus, memory_per_gpu(plan)
-    run.condition("Planned", True, "Planned", _plan_message(plan))
+    run.condition(ConditionType.PLANNED, True, Reason.PLANNED, _plan_message(plan))
     run.decision.planned = plan
 
 
@@ -271,7 +272,7 @@ def _launch(run: _Pass, job: FineTuneJob, plan: PlanCandidate, phase: Phase, lay
     if pool is None:  # the pool was deleted since planning: plan again on the next pass
         status.plan = None
         run.phase(Phase.PENDING)
-        run.event("Warning", "PoolGone", f"GPUPool {plan.strategy.pool!r} no longer exists; planning again")
+        run.event("Warning", Reason.POOL_GONE, f"GPUPool {plan.strategy.pool!r} no longer exists; planning again")
         return
     resumed = status.progress.last_checkpoint_step if status.progress is not None and layout_kept else None
     if status.progress is not None and not layout_kept:
@@ -290,22 +291,23 @@ def _launch(run: _Pass, job: FineTuneJob, plan: PlanCandidate, phase: Phase, lay
     run.phase(phase)
     origin = f"from checkpoint step {resumed}" if resumed is not None else "from the model weights"
     # The words the next pass uses while no rank has started, so a repeated pass writes nothing new.
-    run.condition("Running", False, "Launching", f"attempt {number}: {gang_state([], plan.strategy.nodes).reason}")
-    run.event("Normal", "Launching", f"attempt {number} ({plan.strategy.summary()}), starting {origin}")
+    waiting = gang_state([], plan.strategy.nodes).reason
+    run.condition(ConditionType.RUNNING, False, Reason.LAUNCHING, f"attempt {number}: {waiting}")
+    run.event("Normal", Reason.LAUNCHING, f"attempt {number} ({plan.strategy.summary()}), starting {origin}")
 
 
 def _suspend(run: _Pass, current: Attempt | None) -> None:
     if current is not None and current.finished is None:
         run.delete_pods(run.attempt_pods(current))
-        _finish(run, current, "Suspended", "spec.suspend is true")
+        _finish(run, current, Outcome.SUSPENDED, "spec.suspend is true")
     message = "spec.suspend is true: pods removed; plan, progress and checkpoints kept"
     if run.phase(Phase.SUSPENDED):
-        run.event("Normal", "Suspended", message)
-    run.condition("Suspended", True, "SuspendRequested", message)
-    run.condition("Running", False, "Suspended", message)
+        run.event("Normal", Reason.SUSPENDED, message)
+    run.condition(ConditionType.SUSPENDED, True, Reason.SUSPEND_REQUESTED, message)
+    run.condition(ConditionType.RUNNING, False, Reason.SUSPENDED, message)
 
 
-def _finish(run: _Pass, attempt: Attempt, outcome: str, reason: str) -> None:
+def _finish(run: _Pass, attempt: Attempt, outcome: Outcome, reason: str) -> None:
     attempt.finished, attempt.outcome, attempt.reason = run.observation.now, outcome, reason
 
 
@@ -316,23 +318,23 @@ def _follow(run: _Pass, job: FineTuneJob, plan: PlanCandidate, attempt: Attempt)
     gang = gang_state((report_pod(p) for p in pods), nodes)
     present = {p["metadata"]["name"] for p in pods}
     missing = [name for name in (pod_name(job, attempt.number, r) for r in range(nodes)) if name not in present]
-    if missing and run.status.phase is Phase.RUNNING and gang.outcome is not PodOutcome.SUCCEEDED:
-        gang = GangState(PodOutcome.FAILED, f"pod(s) {', '.join(missing)} deleted while running")
-    if gang.outcome is PodOutcome.CONFIG_ERROR:
+    if missing and run.status.phase is Phase.RUNNING and gang.outcome is not Outcome.SUCCEEDED:
+        gang = GangState(Outcome.FAILED, f"pod(s) {', '.join(missing)} deleted while running")
+    if gang.outcome is Outcome.CONFIG_ERROR:
         run.delete_pods(pods)
-        _finish(run, attempt, "ConfigError", gang.reason)
-        _fail(run, "TrainerConfigError", f"{gang.reason}. A restart would fail the same way: fix the data or the "
-                                         "spec and create the job again")  # fmt: skip
-    elif gang.outcome is PodOutcome.OUT_OF_MEMORY:
+        _finish(run, attempt, Outcome.CONFIG_ERROR, gang.reason)
+        _fail(run, Reason.TRAINER_CONFIG_ERROR, f"{gang.reason}. A restart would fail the same way: fix the data "
+                                                "or the spec and create the job again")  # fmt: skip
+    elif gang.outcome is Outcome.OUT_OF_MEMORY:
         _replan_after_oom(run, job, plan, attempt, pods, gang.reason)
-    elif gang.outcome is PodOutcome.FAILED:
+    elif gang.outcome is Outcome.FAILED:
         _restart(run, job, plan, attempt, pods, gang.reason)
-    elif gang.outcome is PodOutcome.SUCCEEDED:
+    elif gang.outcome is Outcome.SUCCEEDED:
         _succeed(run, attempt, gang.reason)
-    elif gang.outcome is PodOutcome.RUNNING:
+    elif gang.outcome is Outcome.RUNNING:
         if run.phase(Phase.RUNNING):
-            run.event("Normal", "Running", f"attempt {attempt.number}: {gang.reason}")
-        run.condition("Running", True, "Running", f"attempt {attempt.number}: {gang.reason}")
+            run.event("Normal", Reason.RUNNING, f"attempt {attempt.number}: {gang.reason}")
+        run.condition(ConditionType.RUNNING, True, Reason.RUNNING, f"attempt {attempt.number}: {gang.reason}")
     else:
         _wait_for_ranks(run, job, plan, attempt, missing, gang.reason)
 
@@ -342,7 +344,7 @@ def _wait_for_ranks(
 ) -> None:
     """Launching: (re)create what is not there yet (existing objects are left alone) and say what the
     gang waits for (ranks not started, the scheduler's reason)."""
-    run.condition("Running", False, "Launching", f"attempt {attempt.number}: {why}")
+    run.condition(ConditionType.RUNNING, False, Reason.LAUNCHING, f"attempt {attempt.number}: {why}")
     if missing:
         wanted = set(missing)
         pool = _pool(run, plan.strategy.pool)
@@ -359,23 +361,23 @@ def _attempt_objects(
 
 def _succeed(run: _Pass, attempt: Attempt, reason: str) -> None:
     status = run.status
-    _finish(run, attempt, "Succeeded", reason)
+    _finish(run, attempt, Outcome.SUCCEEDED, reason)
     run.phase(Phase.SUCCEEDED)
     if status.progress is not None and status.progress.total_steps:
         total = status.progress.total_steps
         status.progress = status.progress.model_copy(update={"step": total, "percent": 100, "eta": None})
         status.progress_display = progress_display(total, total)
-    run.condition("Running", False, "Completed", reason)
-    run.condition("Succeeded", True, "Completed", f"attempt {attempt.number}: {reason}")
-    run.event("Normal", "Succeeded", f"training finished: {reason}")
+    run.condition(ConditionType.RUNNING, False, Reason.COMPLETED, reason)
+    run.condition(ConditionType.SUCCEEDED, True, Reason.COMPLETED, f"attempt {attempt.number}: {reason}")
+    run.event("Normal", Reason.SUCCEEDED, f"training finished: {reason}")
 
 
-def _fail(run: _Pass, reason: str, message: str) -> None:
+def _fail(run: _Pass, reason: Reason, message: str) -> None:
     run.phase(Phase.FAILED)
-    run.condition("Running", False, reason, message)
-    run.condition("Succeeded", False, reason, message)
-    run.condition("Ready", False, reason, message)
-    run.event("Warning", "Failed", message)
+    run.condition(ConditionType.RUNNING, False, reason, message)
+    run.condition(ConditionType.SUCCEEDED, False, reason, message)
+    run.condition(ConditionType.READY, False, reason, message)
+    run.event("Warning", Reason.FAILED, message)
 
 
 @dataclass(frozen=True)
@@ -387,12 +389,12 @@ class _Budget:
     noun: str
     field: str
     """The spec field that sets ``allowed``."""
-    spent_reason: str
+    spent_reason: Reason
     """The condition reason when it is spent."""
 
 
 def _end_attempt(
-    run: _Pass, attempt: Attempt, pods: Sequence[Mapping[str, Any]], outcome: str, why: str, budget: _Budget
+    run: _Pass, attempt: Attempt, pods: Sequence[Mapping[str, Any]], outcome: Outcome, why: str, budget: _Budget
 ) -> bool:
     """Remove the attempt's pods and record how it ended; False (and the job Failed) when the budget is spent."""
     run.delete_pods(pods)
@@ -408,12 +410,12 @@ def _restart(
 ) -> None:
     """Gang semantics: one failed rank ends the attempt; the next starts from the last checkpoint."""
     status = run.status
-    budget = _Budget(status.restarts, job.spec.max_restarts, "restart(s)", "maxRestarts", "RestartLimitReached")
-    if not _end_attempt(run, attempt, pods, "Failed", why, budget):
+    budget = _Budget(status.restarts, job.spec.max_restarts, "restart(s)", "maxRestarts", Reason.RESTART_LIMIT_REACHED)
+    if not _end_attempt(run, attempt, pods, Outcome.FAILED, why, budget):
         return
     status.restarts += 1
     run.decision.restarted = True
-    run.event("Warning", "RankFailed", f"{why}; gang restart {status.restarts}/{job.spec.max_restarts}")
+    run.event("Warning", Reason.RANK_FAILED, f"{why}; gang restart {status.restarts}/{job.spec.max_restarts}")
     _launch(run, job, plan, Phase.RESTARTING, layout_kept=True)
 
 
@@ -422,15 +424,15 @@ def _replan_after_oom(
 ) -> None:
     """Out of memory is not an ordinary failure: the same plan would fail again, so plan leaner."""
     status = run.status
-    run.event("Warning", "OutOfMemory", f"{why} under {plan.strategy.summary()}")
-    budget = _Budget(status.replans, job.spec.max_replans, "re-plan(s)", "maxReplans", "ReplanLimitReached")
-    if not _end_attempt(run, attempt, pods, "OutOfMemory", why, budget):
+    run.event("Warning", Reason.OUT_OF_MEMORY, f"{why} under {plan.strategy.summary()}")
+    budget = _Budget(status.replans, job.spec.max_replans, "re-plan(s)", "maxReplans", Reason.REPLAN_LIMIT_REACHED)
+    if not _end_attempt(run, attempt, pods, Outcome.OUT_OF_MEMORY, why, budget):
         return
     status.excluded_strategies.append(plan.strategy.summary())
     result, layout_kept = replan_after_oom(job.spec, run.observation.pools, plan, status.excluded_strategies)
     if result.chosen is None:
         advice = "; ".join(result.advice)
-        _fail(run, "NoLeanerPlan", f"{why}; no leaner strategy fits the declared GPUPools. {advice}".strip())
+        _fail(run, Reason.NO_LEANER_PLAN, f"{why}; no leaner strategy fits the declared GPUPools. {advice}".strip())
         return
     status.replans += 1
     run.decision.replanned_after_oom = True
@@ -441,7 +443,7 @@ def _replan_after_oom(
              "model weights")  # fmt: skip
     chosen = result.chosen.strategy.summary()
     count = f"{status.replans}/{job.spec.max_replans}"
-    run.event("Normal", "Replanned", f"re-plan {count}: {chosen} (estimated {now} per GPU, was {was}); {keeps}")
+    run.event("Normal", Reason.REPLANNED, f"re-plan {count}: {chosen} (estimated {now} per GPU, was {was}); {keeps}")
     _launch(run, job, result.chosen, Phase.RESTARTING, layout_kept=layout_kept)
 
 

@@ -10,12 +10,11 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from enum import StrEnum
 from typing import Any
 
 from memfit.api.base import Condition
 from memfit.api.plan import PlanCandidate
-from memfit.contract.termination import CONFIG_ERROR_REASON, OOM_REASON
+from memfit.api.vocabulary import ConditionType, Outcome, Reason, TerminationReason
 
 GIB = 1024**3
 
@@ -26,9 +25,9 @@ def now() -> str:
 
 def set_condition(
     conditions: Iterable[Condition],
-    type_: str,
+    type_: ConditionType,
     status: bool | None,
-    reason: str,
+    reason: Reason,
     message: str,
     generation: int | None,
     at: str | None = None,
@@ -45,7 +44,7 @@ def set_condition(
         result.append(
             Condition(
                 type=type_,
-                status=wanted,  # type: ignore[arg-type]
+                status=wanted,
                 reason=reason,
                 message=message,
                 last_transition_time=(at or now()) if changed else condition.last_transition_time,
@@ -55,21 +54,11 @@ def set_condition(
     if not found:
         result.append(
             Condition(
-                type=type_, status=wanted, reason=reason, message=message,  # type: ignore[arg-type]
+                type=type_, status=wanted, reason=reason, message=message,
                 last_transition_time=at or now(), observed_generation=generation,
             )
         )  # fmt: skip
     return result
-
-
-class PodOutcome(StrEnum):
-    PENDING = "Pending"
-    RUNNING = "Running"
-    SUCCEEDED = "Succeeded"
-    FAILED = "Failed"
-    OUT_OF_MEMORY = "OutOfMemory"
-    CONFIG_ERROR = "ConfigError"
-    """The trainer refused its config or data: permanent, a restart would fail the same way."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +66,7 @@ class PodReport:
     """What one trainer pod says about itself."""
 
     name: str
-    outcome: PodOutcome
+    outcome: Outcome
     reason: str = ""
     """Why it failed, in a sentence (empty unless failed)."""
 
@@ -87,7 +76,7 @@ def _termination(container_status: Mapping[str, Any]) -> Mapping[str, Any] | Non
     return state.get("terminated")
 
 
-def _trainer_message(message: str | None) -> tuple[PodOutcome, str] | None:
+def _trainer_message(message: str | None) -> tuple[Outcome, str] | None:
     """The trainer's JSON termination message (memfit.contract.termination), when it gives a reason."""
     if not message:
         return None
@@ -97,16 +86,16 @@ def _trainer_message(message: str | None) -> tuple[PodOutcome, str] | None:
         return None
     if not isinstance(payload, dict):
         return None
-    if payload.get("reason") == OOM_REASON:
+    if payload.get("reason") == TerminationReason.OUT_OF_MEMORY:
         measured, planned = payload.get("measuredPeakBytes"), payload.get("plannedPeakBytes")
         detail = (
             f" (measured peak {measured / GIB:.1f} GiB, planned {planned / GIB:.1f} GiB)"
             if measured and planned
             else ""
         )
-        return PodOutcome.OUT_OF_MEMORY, f"CUDA out of memory at step {payload.get('step')}{detail}"
-    if payload.get("reason") == CONFIG_ERROR_REASON:
-        return PodOutcome.CONFIG_ERROR, f"the trainer refused its config: {payload.get('message')}"
+        return Outcome.OUT_OF_MEMORY, f"CUDA out of memory at step {payload.get('step')}{detail}"
+    if payload.get("reason") == TerminationReason.CONFIG_ERROR:
+        return Outcome.CONFIG_ERROR, f"the trainer refused its config: {payload.get('message')}"
     return None
 
 
@@ -120,17 +109,18 @@ def report_pod(pod: Mapping[str, Any]) -> PodReport:
         if not terminated or terminated.get("exitCode", 0) == 0:
             continue
         if terminated.get("reason") == "OOMKilled":
-            return PodReport(name, PodOutcome.OUT_OF_MEMORY, f"{name}: host memory exhausted (OOMKilled)")
+            return PodReport(name, Outcome.OUT_OF_MEMORY, f"{name}: host memory exhausted (OOMKilled)")
         reported = _trainer_message(terminated.get("message"))
         if reported is not None:
             return PodReport(name, reported[0], f"{name}: {reported[1]}")
-        return PodReport(name, PodOutcome.FAILED, f"{name}: exit code {terminated.get('exitCode')} "
-                                                  f"({terminated.get('reason') or 'Error'})")  # fmt: skip
+        return PodReport(name, Outcome.FAILED, f"{name}: exit code {terminated.get('exitCode')} "
+                                               f"({terminated.get('reason') or 'Error'})")  # fmt: skip
     if phase == "Failed":
-        return PodReport(name, PodOutcome.FAILED, f"{name}: {status.get('reason') or 'failed'}")
+        return PodReport(name, Outcome.FAILED, f"{name}: {status.get('reason') or 'failed'}")
     if phase == "Pending":
-        return PodReport(name, PodOutcome.PENDING, _unschedulable(name, status))
-    return PodReport(name, PodOutcome(phase) if phase in PodOutcome.__members__.values() else PodOutcome.PENDING)
+        return PodReport(name, Outcome.PENDING, _unschedulable(name, status))
+    # Left: a pod phase of Running, Succeeded or Unknown (Kubernetes' words; the first two are also outcomes).
+    return PodReport(name, Outcome(phase) if phase in (Outcome.RUNNING, Outcome.SUCCEEDED) else Outcome.PENDING)
 
 
 def _unschedulable(name: str, status: Mapping[str, Any]) -> str:
@@ -145,23 +135,23 @@ def _unschedulable(name: str, status: Mapping[str, Any]) -> str:
 class GangState:
     """An attempt's pods together: the gang fails as soon as one rank does."""
 
-    outcome: PodOutcome
+    outcome: Outcome
     reason: str
 
 
 def gang_state(reports: Iterable[PodReport], expected: int) -> GangState:
     reports = list(reports)
-    for wanted in (PodOutcome.CONFIG_ERROR, PodOutcome.OUT_OF_MEMORY, PodOutcome.FAILED):
+    for wanted in (Outcome.CONFIG_ERROR, Outcome.OUT_OF_MEMORY, Outcome.FAILED):
         failed = [r for r in reports if r.outcome is wanted]
         if failed:
             return GangState(wanted, "; ".join(r.reason for r in failed))
-    if len(reports) == expected and all(r.outcome is PodOutcome.SUCCEEDED for r in reports):
-        return GangState(PodOutcome.SUCCEEDED, f"all {expected} node ranks finished")
-    if len(reports) == expected and all(r.outcome in (PodOutcome.RUNNING, PodOutcome.SUCCEEDED) for r in reports):
-        return GangState(PodOutcome.RUNNING, f"{expected} node ranks running")
-    started = f"{sum(r.outcome is not PodOutcome.PENDING for r in reports)} of {expected} node ranks started"
-    waiting = [r.reason for r in reports if r.outcome is PodOutcome.PENDING and r.reason]
-    return GangState(PodOutcome.PENDING, "; ".join([started, *waiting[:1]]))
+    if len(reports) == expected and all(r.outcome is Outcome.SUCCEEDED for r in reports):
+        return GangState(Outcome.SUCCEEDED, f"all {expected} node ranks finished")
+    if len(reports) == expected and all(r.outcome in (Outcome.RUNNING, Outcome.SUCCEEDED) for r in reports):
+        return GangState(Outcome.RUNNING, f"{expected} node ranks running")
+    started = f"{sum(r.outcome is not Outcome.PENDING for r in reports)} of {expected} node ranks started"
+    waiting = [r.reason for r in reports if r.outcome is Outcome.PENDING and r.reason]
+    return GangState(Outcome.PENDING, "; ".join([started, *waiting[:1]]))
 
 
 def memory_per_gpu(plan: PlanCandidate) -> str:

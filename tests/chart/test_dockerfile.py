@@ -23,6 +23,7 @@ class Stage:
     args: dict[str, str] = field(default_factory=dict)
     env: str = ""
     runs: list[str] = field(default_factory=list)
+    copies: list[list[str]] = field(default_factory=list)
     user: str | None = None
     entrypoint: str | None = None
     cmd: str | None = None
@@ -46,6 +47,8 @@ def stages() -> dict[str, Stage]:
             current.env += " " + value
         elif kind == "RUN":
             current.runs.append(" ".join(value.split()))
+        elif kind == "COPY":
+            current.copies.append(value.split())
         elif kind == "USER":
             current.user = value
         elif kind == "ENTRYPOINT":
@@ -95,6 +98,16 @@ def test_entrypoints_are_the_project_scripts(dockerfile: dict[str, Stage]) -> No
     assert dockerfile["operator"].entrypoint == '["memfit"]' and dockerfile["operator"].cmd == '["operator"]'
     assert dockerfile["trainer"].entrypoint == '["memfit-train"]'
     assert {"memfit", "memfit-train"} <= set(scripts)
+
+
+@pytest.mark.parametrize("target", ["operator", "trainer"])
+def test_each_image_copies_the_core_and_only_its_own_package(dockerfile: dict[str, Stage], target: str) -> None:
+    """The operator image has no trainer code and the trainer image no operator code; the package search
+    looks in both folders (and finds nothing in the one an image lacks)."""
+    sources = {source for words in dockerfile[target].copies for source in words[:-1] if not source.startswith("--")}
+    assert sources == {"pyproject.toml", "README.md", "memfit", target}
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    assert set(find["where"]) == {".", "operator", "trainer"}
 
 
 def test_operator_image_has_no_torch(dockerfile: dict[str, Stage]) -> None:

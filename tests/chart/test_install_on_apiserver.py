@@ -18,6 +18,7 @@ from tests.k8s.apiserver import OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT, Ap
 from tests.k8s.cluster import GROUP, VERSION, create_namespace, example, install_crds, wait_for
 from tests.k8s.operator_process import OperatorProcess
 
+pytestmark = pytest.mark.k8s
 VALUES = {
     "serviceAccount": {"name": OPERATOR_SERVICE_ACCOUNT},
     "gpuPools": [{"name": p["metadata"]["name"], "spec": p["spec"]} for p in example("inventory.yaml")],

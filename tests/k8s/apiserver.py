@@ -74,7 +74,7 @@ def _certificates(directory: Path) -> None:
     _openssl("rsa", "-in", str(directory / "sa.key"), "-pubout", "-out", str(directory / "sa.pub"))
 
 
-def _wait_ready(url: str, token: str, ca_file: Path, process: subprocess.Popen, timeout: float = 60) -> None:
+def _wait_ready(url: str, token: str, ca_file: Path, process: subprocess.Popen[bytes], timeout: float = 60) -> None:
     context = ssl.create_default_context(cafile=str(ca_file))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -103,7 +103,7 @@ def _kubeconfig(url: str, ca_file: Path, user: str, token: str) -> str:
 def running_apiserver() -> Iterator[ApiServer]:
     assets = _assets()
     directory = Path(tempfile.mkdtemp(prefix="memfit-envtest-"))
-    processes: list[subprocess.Popen] = []
+    processes: list[subprocess.Popen[bytes]] = []
     try:
         _certificates(directory)
         token = secrets.token_hex(16)

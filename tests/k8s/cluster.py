@@ -50,7 +50,8 @@ def install_crds(api: client.ApiClient, *paths: Path) -> None:
         name = crd["metadata"]["name"]
 
         def established(name: str = name) -> bool:
-            conditions = extensions.read_custom_resource_definition(name).status.conditions or []
+            status = extensions.read_custom_resource_definition(name).status
+            conditions = (status.conditions if status is not None else None) or []
             return any(c.type == "Established" and c.status == "True" for c in conditions)
 
         wait_for(f"CRD {name} established", established, timeout=60)
@@ -60,20 +61,23 @@ def install_crds(api: client.ApiClient, *paths: Path) -> None:
 def create_namespace(api: client.ApiClient, name: str) -> None:
     """A namespace (`default` exists already) with its `default` ServiceAccount, as the controller-manager
     would make it."""
+    # The client types each body as its model (V1Namespace, ...) but sends a plain dict just the same.
     core = client.CoreV1Api(api)
     if name != "default":
-        core.create_namespace({"metadata": {"name": name}})
-    core.create_namespaced_service_account(name, {"metadata": {"name": "default"}})
+        core.create_namespace({"metadata": {"name": name}})  # type: ignore[arg-type]
+    core.create_namespaced_service_account(name, {"metadata": {"name": "default"}})  # type: ignore[arg-type]
 
 
 def grant_operator_role(api: client.ApiClient) -> None:
     """The operator's ServiceAccount bound to the ClusterRole the chart ships, and nothing else."""
+    # The client types each body as its model (V1Namespace, ...) but sends a plain dict just the same.
     rbac, core = client.RbacAuthorizationV1Api(api), client.CoreV1Api(api)
-    core.create_namespace({"metadata": {"name": OPERATOR_NAMESPACE}})
-    core.create_namespaced_service_account(OPERATOR_NAMESPACE, {"metadata": {"name": OPERATOR_SERVICE_ACCOUNT}})
+    core.create_namespace({"metadata": {"name": OPERATOR_NAMESPACE}})  # type: ignore[arg-type]
+    account = {"metadata": {"name": OPERATOR_SERVICE_ACCOUNT}}
+    core.create_namespaced_service_account(OPERATOR_NAMESPACE, account)  # type: ignore[arg-type]
     rules = yaml.safe_load(CLUSTER_ROLE_RULES.read_text())
-    rbac.create_cluster_role({"metadata": {"name": "memfit-operator"}, "rules": rules})
-    rbac.create_cluster_role_binding({
+    rbac.create_cluster_role({"metadata": {"name": "memfit-operator"}, "rules": rules})  # type: ignore[arg-type]
+    rbac.create_cluster_role_binding({  # type: ignore[arg-type]
         "metadata": {"name": "memfit-operator"},
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "memfit-operator"},
         "subjects": [{"kind": "ServiceAccount", "name": OPERATOR_SERVICE_ACCOUNT, "namespace": OPERATOR_NAMESPACE}],
@@ -86,12 +90,14 @@ def server_get(server: ApiServer, path: str, accept: str = "application/json") -
         f"{server.url}{path}", headers={"Authorization": f"Bearer {server.token}", "Accept": accept}
     )
     with urllib.request.urlopen(request, context=ssl.create_default_context(cafile=str(server.ca_file))) as response:
-        return response.read()
+        body: bytes = response.read()
+        return body
 
 
 def server_table(server: ApiServer, path: str) -> dict[str, Any]:
     """What `kubectl get` prints: the server-side Table of ``path``."""
-    return json.loads(server_get(server, path, accept="application/json;as=Table;v=v1;g=meta.k8s.io"))
+    table: dict[str, Any] = json.loads(server_get(server, path, accept="application/json;as=Table;v=v1;g=meta.k8s.io"))
+    return table
 
 
 def _now() -> str:
@@ -106,6 +112,7 @@ class Kubelet:
 
     def _status(self, namespace: str, name: str, phase: str, state: dict[str, Any], ready: bool) -> None:
         pod = self.core.read_namespaced_pod(name, namespace)
+        assert pod.spec is not None
         container = pod.spec.containers[0]
         status = {
             "phase": phase,

@@ -46,13 +46,14 @@ class OperatorProcess:
             raise AssertionError(f"the operator exited with {self.process.returncode}:\n{self.tail()}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.health_port}/healthz", timeout=2) as response:
-                return response.status == 200
+                return bool(response.status == 200)
         except OSError:
             return False
 
     def metrics(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as response:
-            return response.read().decode()
+            text: str = response.read().decode()
+            return text
 
     def tail(self, lines: int = 80) -> str:
         return "\n".join(self.log.read_text().splitlines()[-lines:])

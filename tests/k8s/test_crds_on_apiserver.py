@@ -14,6 +14,8 @@ from memfit_operator.status import memory_per_gpu, progress_display
 from tests.k8s.apiserver import ApiServer
 from tests.k8s.cluster import GROUP, ROOT, VERSION, example, install_crds, server_table
 
+pytestmark = pytest.mark.k8s
+
 
 @pytest.fixture(scope="module")
 def api(server: ApiServer) -> client.ApiClient:

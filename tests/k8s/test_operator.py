@@ -42,6 +42,7 @@ from tests.k8s.cluster import (
 from tests.k8s.operator_process import OperatorProcess
 from tests.trainer.test_metrics import trainer_config
 
+pytestmark = pytest.mark.k8s
 NAMESPACE = "research"
 JOBS = "finetunejobs"
 

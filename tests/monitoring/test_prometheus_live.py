@@ -56,7 +56,7 @@ from tests.k8s.operator_process import OperatorProcess
 from tests.monitoring.expressions import dashboard_queries, dump, metric_names, rules, signal, tool, with_variables
 from tests.trainer.runs import torchrun_command, trainer_env
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.k8s, pytest.mark.distributed]
 CPU_JOB, GPU_JOB = "default/tiny", "default/gpu-job"
 GPU_ONLY = {
     "memfit_gpu_memory_peak_allocated_bytes",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
+from memfit.api.vocabulary import Outcome
 from memfit_operator.status import (
-    PodOutcome,
     gang_state,
     progress_display,
     report_pod,
@@ -38,31 +38,31 @@ def test_the_trainers_oom_message_is_an_out_of_memory_outcome() -> None:
     message = json.dumps({"reason": "OutOfMemory", "step": 12, "plannedPeakBytes": 60 * 2**30,
                           "measuredPeakBytes": 79 * 2**30, "message": "CUDA out of memory"})  # fmt: skip
     report = report_pod(pod("job-a1-n0", "Failed", 1, "Error", message))
-    assert report.outcome is PodOutcome.OUT_OF_MEMORY
+    assert report.outcome is Outcome.OUT_OF_MEMORY
     assert "step 12" in report.reason and "measured peak 79.0 GiB, planned 60.0 GiB" in report.reason
 
 
 def test_oomkilled_is_out_of_memory_and_other_failures_are_failures() -> None:
-    assert report_pod(pod("p", "Failed", 137, "OOMKilled")).outcome is PodOutcome.OUT_OF_MEMORY
+    assert report_pod(pod("p", "Failed", 137, "OOMKilled")).outcome is Outcome.OUT_OF_MEMORY
     failed = report_pod(pod("p", "Failed", 1, "Error", "Traceback ..."))
-    assert failed.outcome is PodOutcome.FAILED and "exit code 1" in failed.reason
-    assert report_pod(pod("p", "Running")).outcome is PodOutcome.RUNNING
-    assert report_pod(pod("p", "Succeeded", 0, "Completed")).outcome is PodOutcome.SUCCEEDED
+    assert failed.outcome is Outcome.FAILED and "exit code 1" in failed.reason
+    assert report_pod(pod("p", "Running")).outcome is Outcome.RUNNING
+    assert report_pod(pod("p", "Succeeded", 0, "Completed")).outcome is Outcome.SUCCEEDED
 
 
 def test_one_failed_rank_fails_the_gang_and_oom_wins() -> None:
     reports = [report_pod(pod("n0", "Running")), report_pod(pod("n1", "Failed", 1, "Error"))]
-    assert gang_state(reports, 2).outcome is PodOutcome.FAILED
+    assert gang_state(reports, 2).outcome is Outcome.FAILED
     reports.append(report_pod(pod("n2", "Failed", 137, "OOMKilled")))
-    assert gang_state(reports, 3).outcome is PodOutcome.OUT_OF_MEMORY
+    assert gang_state(reports, 3).outcome is Outcome.OUT_OF_MEMORY
 
 
 def test_gang_is_running_only_when_every_rank_runs() -> None:
     running = [report_pod(pod("n0", "Running")), report_pod(pod("n1", "Pending"))]
-    assert gang_state(running, 2).outcome is PodOutcome.PENDING
-    assert gang_state([report_pod(pod("n0", "Running"))] * 2, 2).outcome is PodOutcome.RUNNING
-    assert gang_state([report_pod(pod("n0", "Succeeded", 0, "Completed"))] * 2, 2).outcome is PodOutcome.SUCCEEDED
-    assert gang_state([report_pod(pod("n0", "Running"))], 2).outcome is PodOutcome.PENDING  # a rank is missing
+    assert gang_state(running, 2).outcome is Outcome.PENDING
+    assert gang_state([report_pod(pod("n0", "Running"))] * 2, 2).outcome is Outcome.RUNNING
+    assert gang_state([report_pod(pod("n0", "Succeeded", 0, "Completed"))] * 2, 2).outcome is Outcome.SUCCEEDED
+    assert gang_state([report_pod(pod("n0", "Running"))], 2).outcome is Outcome.PENDING  # a rank is missing
 
 
 def test_progress_column() -> None:
@@ -77,7 +77,7 @@ def test_a_pending_gang_says_what_the_scheduler_said() -> None:
         {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": why}
     ]
     gang = gang_state([report_pod(pod("n0", "Running")), report_pod(waiting)], 2)
-    assert gang.outcome is PodOutcome.PENDING
+    assert gang.outcome is Outcome.PENDING
     assert (
         gang.reason
         == "1 of 2 node ranks started; n1 not scheduled: 0/4 nodes are available: 4 Insufficient nvidia.com/gpu."
@@ -88,7 +88,7 @@ def test_a_pending_gang_says_what_the_scheduler_said() -> None:
 def test_the_trainers_config_error_is_its_own_outcome_and_wins_over_others() -> None:
     message = json.dumps({"reason": "ConfigError", "message": "dataset field `text` missing"})
     refused = report_pod(pod("n1", "Failed", 1, "Error", message))
-    assert refused.outcome is PodOutcome.CONFIG_ERROR
+    assert refused.outcome is Outcome.CONFIG_ERROR
     assert refused.reason == "n1: the trainer refused its config: dataset field `text` missing"
     oom = report_pod(pod("n0", "Failed", 137, "OOMKilled"))
-    assert gang_state([oom, refused], 2).outcome is PodOutcome.CONFIG_ERROR
+    assert gang_state([oom, refused], 2).outcome is Outcome.CONFIG_ERROR

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from memfit.contract.termination import CONFIG_ERROR_REASON
+from memfit.api.vocabulary import Attention, TerminationReason
 from memfit.contract.trainer_config import ConfigError
-from memfit_trainer.oom import EXIT_CODE_OOM, OOM_REASON
+from memfit_trainer.oom import EXIT_CODE_OOM
 from memfit_trainer.preflight import check
 from tests.trainer.runs import make_config, run_single_process, run_trainer, trainer_env, write_config
 
@@ -43,13 +43,14 @@ def test_unreadable_config_fails_fast_with_one_line(tmp_path: Path) -> None:
     assert time.monotonic() - started < 30
 
 
+@pytest.mark.slow
 def test_config_this_machine_cannot_run_fails_before_any_work(tmp_path: Path) -> None:
     config = make_config(tmp_path)  # planned for 2 ranks, started as 1
     deepspeed = {**config.deepspeed}
     deepspeed["zero_optimization"] = {
         **deepspeed["zero_optimization"], "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "absent")}
     }  # fmt: skip
-    training = config.training.model_copy(update={"attention": "flash"})
+    training = config.training.model_copy(update={"attention": Attention.FLASH})
     config = config.model_copy(update={"deepspeed": deepspeed, "training": training})
     result = run_single_process(write_config(config, tmp_path / "config.json"), timeout=120)
     assert result.returncode == 2
@@ -59,7 +60,7 @@ def test_config_this_machine_cannot_run_fails_before_any_work(tmp_path: Path) ->
     assert "nvme_path" in line
     assert not Path(config.output_dir, "checkpoints").exists()
     message = json.loads(Path(config.termination_log).read_text())  # what the operator reads from the pod
-    assert message == {"reason": CONFIG_ERROR_REASON, "message": line.removeprefix("memfit-train: ")}
+    assert message == {"reason": TerminationReason.CONFIG_ERROR, "message": line.removeprefix("memfit-train: ")}
 
 
 def test_preflight_accepts_a_runnable_config(tmp_path: Path) -> None:
@@ -80,7 +81,7 @@ def test_oom_in_a_single_process_exits_86_with_the_termination_message(tmp_path:
     result = run_single_process(write_config(config, tmp_path / "config.json"), MEMFIT_TEST_INJECT_OOM_AT_STEP="3")
     assert result.returncode == EXIT_CODE_OOM, result.stderr[-3000:]
     message = json.loads(Path(config.termination_log).read_text())
-    assert message["reason"] == OOM_REASON
+    assert message["reason"] == TerminationReason.OUT_OF_MEMORY
     assert message["step"] == 3
     assert message["plannedPeakBytes"] == PLANNED_PEAK
     assert "MEMFIT_TEST_INJECT_OOM_AT_STEP" in message["message"]
@@ -93,4 +94,4 @@ def test_oom_under_torchrun_keeps_the_reason_in_the_termination_message(tmp_path
     assert result.returncode == 1  # torchrun reports any failed worker as 1
     assert f"exitcode  : {EXIT_CODE_OOM}" in result.stderr
     message = json.loads(Path(config.termination_log).read_text())
-    assert message["reason"] == OOM_REASON and message["step"] == 2
+    assert message["reason"] == TerminationReason.OUT_OF_MEMORY and message["step"] == 2

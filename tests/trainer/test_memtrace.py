@@ -70,6 +70,7 @@ def test_eager_attention_activations_grow_superlinearly() -> None:
     assert a1 > saved_activations(seq_len=64)
 
 
+@pytest.mark.slow
 def test_activations_are_linear_in_micro_batch_and_nearly_only_depend_on_tokens() -> None:
     """Only RoPE's cos/sin tables (one per position, not per sequence) break exact b*s symmetry.
 

@@ -131,6 +131,7 @@ def test_unwritable_log_still_exits_86(tmp_path: Path, capsys: pytest.CaptureFix
     assert "cannot write" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_process_exit_code_is_86(tmp_path: Path) -> None:
     log = tmp_path / "termination-log"
     script = textwrap.dedent(

@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -85,7 +85,7 @@ class Checkpoint:
 
     @property
     def data_position(self) -> Mapping[str, Any]:
-        return self.marker["dataPosition"]
+        return cast(Mapping[str, Any], self.marker["dataPosition"])
 
 
 class CheckpointManager:

@@ -36,17 +36,25 @@ import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
+
+from memfit.api.vocabulary import DatasetFormat
 
 FORMAT_SUFFIXES: dict[str, tuple[str, ...]] = {
     "json": (".jsonl", ".json", ".jsonl.gz", ".json.gz"),
     "parquet": (".parquet",),
     "arrow": (".arrow",),
 }
-FORMAT_ALIASES = {"json": "json", "jsonl": "json", "parquet": "parquet", "arrow": "arrow"}
+FORMAT_ALIASES = {
+    "json": "json",
+    DatasetFormat.JSONL.value: "json",
+    DatasetFormat.PARQUET.value: "parquet",
+    DatasetFormat.ARROW.value: "arrow",
+}
+"""The data formats accepted (memfit's, and ``json``) and the ``datasets`` builder that reads each."""
 # Metadata that ``Dataset.save_to_disk`` writes next to its .arrow files: not records.
 SAVE_TO_DISK_METADATA = frozenset({"state.json", "dataset_info.json", "dataset_dict.json"})
 TOKENIZE_BATCH = 256
@@ -185,7 +193,7 @@ def render_messages(messages: Any, tokenizer: Any) -> str:
     ):
         raise DataError(f"a chat record must be a list of {{'role': str, 'content': str}}, got {str(messages)[:200]}")
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False)
+        return cast(str, tokenizer.apply_chat_template(messages, tokenize=False))
     return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
 
 

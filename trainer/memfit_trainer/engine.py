@@ -17,9 +17,8 @@ from typing import Any
 
 import torch
 
+from memfit.api.vocabulary import EIGHT_BIT_OPTIMIZERS, Offload, Optimizer
 from memfit.contract.trainer_config import ConfigError, TrainerConfig, TrainingConfig
-
-DEEPSPEED_BUILT = frozenset({"adamw", "lion"})
 
 
 def total_optimizer_steps(training: TrainingConfig, micro_batches_per_epoch: int | None) -> int:
@@ -54,22 +53,23 @@ def warmup_cosine(total_steps: int, warmup_ratio: float) -> Callable[[int], floa
 def client_optimizer(training: TrainingConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """The optimizers DeepSpeed does not build itself."""
     lr, weight_decay = training.learning_rate, training.weight_decay
-    if training.optimizer in ("adamw8bit", "paged_adamw8bit"):
-        import bitsandbytes as bnb
+    if training.optimizer in EIGHT_BIT_OPTIMIZERS:
+        from bitsandbytes.optim.adamw import AdamW8bit, PagedAdamW8bit
 
-        cls = bnb.optim.AdamW8bit if training.optimizer == "adamw8bit" else bnb.optim.PagedAdamW8bit
+        cls = AdamW8bit if training.optimizer == Optimizer.ADAMW_8BIT else PagedAdamW8bit
         return cls(params, lr=lr, weight_decay=weight_decay)
-    if training.optimizer == "adafactor":
+    if training.optimizer == Optimizer.ADAFACTOR:
         from transformers.optimization import Adafactor
 
         # A fixed external schedule (ours), not Adafactor's own relative step sizes.
-        return Adafactor(
+        return Adafactor(  # type: ignore[no-untyped-call]  # transformers' Adafactor.__init__ is unannotated
             params, lr=lr, weight_decay=weight_decay, scale_parameter=False, relative_step=False, warmup_init=False
         )
-    if training.optimizer == "lion":
-        import bitsandbytes as bnb
+    if training.optimizer == Optimizer.LION:
+        from bitsandbytes.optim.lion import Lion
 
-        return bnb.optim.Lion(params, lr=lr, weight_decay=weight_decay)
+        # bitsandbytes' optimizers have unannotated constructors.
+        return Lion(params, lr=lr, weight_decay=weight_decay)  # type: ignore[no-untyped-call]
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
 
 
@@ -79,7 +79,7 @@ def engine_config(config: TrainerConfig, client: bool) -> dict[str, Any]:
     ds.setdefault("gradient_clipping", config.training.max_grad_norm)
     if client:
         ds["zero_allow_untested_optimizer"] = True
-        if ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") != "none":
+        if ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", Offload.NONE) != Offload.NONE:
             ds["zero_force_ds_cpu_optimizer"] = False
     return ds
 

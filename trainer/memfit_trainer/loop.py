@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from memfit.api.vocabulary import Method
 from memfit.contract.trainer_config import ConfigError, TrainerConfig
 from memfit_trainer.checkpoint import CheckpointManager, fsync_tree, load_rng_state, save_rng_state
 from memfit_trainer.console import ConsoleProgress
@@ -139,7 +140,7 @@ def train(config: TrainerConfig, ranks: Ranks, metrics: TrainerMetrics, guard: O
     the inner guard's exit as a second OOM); the loop keeps ``guard.step`` at the step in progress.
     """
     training = config.training
-    lora = training.method in ("lora", "qlora")
+    lora = training.method in (Method.LORA, Method.QLORA)
     layout = config.layout.to_dict()
     manager = CheckpointManager(config.checkpoint_dir)
     if ranks.rank == 0:

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from memfit.api.vocabulary import Method
 from memfit.contract.progress import (
     CHECKPOINT_STEP_METRIC,
     ETA_METRIC,
@@ -58,7 +59,7 @@ LABELS = ("finetunejob", "rank")
 """`finetunejob` is namespace/name; not `job`, which Prometheus reserves for the scrape job."""
 
 
-def model_flops_per_token(shape: ModelShape, sequence_length: int, method: str) -> float:
+def model_flops_per_token(shape: ModelShape, sequence_length: int, method: Method) -> float:
     """Model FLOPs one trained token needs (MFU's numerator: recomputation is not counted).
 
     Forward: 2 x active parameters plus causal attention (QK^T and AV over half the sequence on average,
@@ -66,7 +67,7 @@ def model_flops_per_token(shape: ModelShape, sequence_length: int, method: str) 
     with a frozen base (LoRA, QLoRA) it computes no weight gradients, so it costs one forward (4N).
     """
     forward = 2 * shape.active_parameters_per_token + 2 * shape.num_layers * sequence_length * shape.q_size
-    return forward * (3 if method == "full" else 2)
+    return forward * (3 if method == Method.FULL else 2)
 
 
 def _resident_bytes() -> float:

@@ -16,12 +16,22 @@ from typing import Any
 
 import torch
 
+from memfit.api.vocabulary import Attention, Method, Precision
 from memfit.contract.trainer_config import TrainerConfig
 from memfit_trainer.hf_config import transformers_config
 from memfit_trainer.tokenizer import byte_level_tokenizer, load_tokenizer
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flash": "flash_attention_2"}
+DTYPES: dict[Precision, torch.dtype] = {
+    Precision.BF16: torch.bfloat16,
+    Precision.FP16: torch.float16,
+    Precision.FP32: torch.float32,
+}
+ATTENTION: dict[Attention, str] = {
+    Attention.SDPA: Attention.SDPA.value,
+    Attention.EAGER: Attention.EAGER.value,
+    Attention.FLASH: "flash_attention_2",
+}
+"""``transformers``' ``attn_implementation`` for each attention kernel."""
 
 
 @dataclass
@@ -44,7 +54,7 @@ def quantization_config() -> Any:
     """QLoRA's base-weight format: 4-bit NF4, double-quantised, computing in bf16."""
     from transformers import BitsAndBytesConfig
 
-    return BitsAndBytesConfig(
+    return BitsAndBytesConfig(  # type: ignore[no-untyped-call]  # transformers' config classes are unannotated
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
         bnb_4bit_use_double_quant=True,
@@ -63,26 +73,28 @@ def _load_base(config: TrainerConfig, local_rank: int) -> Any:
 
     model_config, training = config.model, config.training
     kwargs: dict[str, Any] = {
-        "dtype": torch.bfloat16 if training.method == "qlora" else DTYPES[training.precision],
+        "dtype": torch.bfloat16 if training.method == Method.QLORA else DTYPES[training.precision],
         "attn_implementation": ATTENTION[training.attention],  # flash-attn presence: see preflight
     }
     if model_config.random_init:
         assert model_config.architecture is not None  # guaranteed by ModelConfig's validator
         torch.manual_seed(training.seed)
         hf_config = transformers_config(model_config.architecture)
-        if training.method != "qlora":
-            return AutoModelForCausalLM.from_config(hf_config, **kwargs)
+        # transformers' from_config is unannotated (the type: ignores on it below).
+        if training.method != Method.QLORA:
+            return AutoModelForCausalLM.from_config(hf_config, **kwargs)  # type: ignore[no-untyped-call]
         # bitsandbytes quantises only while loading weights: write the random model out and load it back.
         # (Not with save_pretrained: under torch.distributed it writes on rank 0 only, and this is per rank.)
         with tempfile.TemporaryDirectory(prefix="memfit-random-init-") as scratch:
             hf_config.to_json_file(os.path.join(scratch, "config.json"))
             save_model(
-                AutoModelForCausalLM.from_config(hf_config, **kwargs), os.path.join(scratch, "model.safetensors")
+                AutoModelForCausalLM.from_config(hf_config, **kwargs),  # type: ignore[no-untyped-call]
+                os.path.join(scratch, "model.safetensors"),
             )
             return AutoModelForCausalLM.from_pretrained(
                 scratch, quantization_config=quantization_config(), device_map=_device_map(local_rank), **kwargs
             )
-    if training.method == "qlora":
+    if training.method == Method.QLORA:
         kwargs.update(quantization_config=quantization_config(), device_map=_device_map(local_rank))
     return AutoModelForCausalLM.from_pretrained(
         model_config.name_or_path,
@@ -97,8 +109,13 @@ def _lora_config(config: TrainerConfig) -> Any:
 
     lora = config.training.lora
     targets: str | list[str] = "all-linear" if lora.target_modules == ["all-linear"] else list(lora.target_modules)
+    # peft annotates lora_alpha as int, but it only divides it by r: a float alpha is used as given.
     return LoraConfig(
-        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets, task_type="CAUSAL_LM"
+        r=lora.rank,
+        lora_alpha=lora.alpha,  # type: ignore[arg-type]
+        lora_dropout=lora.dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
     )
 
 
@@ -107,26 +124,27 @@ def build_model(config: TrainerConfig, local_rank: int = 0) -> BuiltModel:
     training = config.training
     tokenizer = build_tokenizer(config)
     zero3_context = None
-    if config.deepspeed.get("zero_optimization", {}).get("stage", 0) == 3 and training.method != "qlora":
-        from transformers.integrations import HfDeepSpeedConfig
+    if config.deepspeed.get("zero_optimization", {}).get("stage", 0) == 3 and training.method != Method.QLORA:
+        from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
-        zero3_context = HfDeepSpeedConfig(config.deepspeed)  # from here on, models are built partitioned
+        # From here on, models are built partitioned. (HfDeepSpeedConfig.__init__ is unannotated.)
+        zero3_context = HfDeepSpeedConfig(config.deepspeed)  # type: ignore[no-untyped-call]
     model = _load_base(config, local_rank)
     model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
     checkpointing = {"use_reentrant": False}
-    if training.method == "qlora":
+    if training.method == Method.QLORA:
         from peft import prepare_model_for_kbit_training
 
-        model = prepare_model_for_kbit_training(
+        model = prepare_model_for_kbit_training(  # type: ignore[no-untyped-call]  # unannotated in peft
             model,
             use_gradient_checkpointing=training.gradient_checkpointing,
             gradient_checkpointing_kwargs=checkpointing,
         )
     elif training.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
-        if training.method == "lora":
+        if training.method == Method.LORA:
             model.enable_input_require_grads()  # frozen embeddings would otherwise cut the graph
-    if training.method in ("lora", "qlora"):
+    if training.method in (Method.LORA, Method.QLORA):
         from peft import get_peft_model
 
         model = get_peft_model(model, _lora_config(config))

@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
+from memfit.api.vocabulary import TerminationReason
 from memfit.contract.termination import (
     DEFAULT_TERMINATION_LOG,
     MAX_TERMINATION_MESSAGE_BYTES,
-    OOM_REASON,
     fitted_message,
     write_termination_message,
 )
@@ -71,7 +71,7 @@ def termination_message(
     limit: int = MAX_TERMINATION_MESSAGE_BYTES,
 ) -> str:
     """The OOM document; a too long ``message`` is cut to fit ``limit`` bytes (see termination.fitted_message)."""
-    fields = {"reason": OOM_REASON, "step": step, "plannedPeakBytes": planned_peak_bytes,
+    fields = {"reason": TerminationReason.OUT_OF_MEMORY, "step": step, "plannedPeakBytes": planned_peak_bytes,
               "measuredPeakBytes": measured_peak_bytes}  # fmt: skip
     return fitted_message(fields, message, limit)
 

@@ -12,11 +12,13 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from memfit.api.vocabulary import EIGHT_BIT_OPTIMIZERS, Attention, Method, Offload, Optimizer, Precision
 from memfit.contract.trainer_config import ConfigError, TrainerConfig
 
 BYTE_TOKENIZER_VOCAB = 258
 """Token ids the byte-level tokenizer of random-init models emits (256 bytes, EOS, pad)."""
-NEEDS_BITSANDBYTES = frozenset({"adamw8bit", "paged_adamw8bit"})
+NEEDS_BITSANDBYTES = EIGHT_BIT_OPTIMIZERS | {Optimizer.LION}
+"""Client optimizers (those ``config.deepspeed`` does not build) that come from bitsandbytes."""
 
 
 def _writable_dir(path: Path) -> bool:
@@ -27,13 +29,13 @@ def _writable_dir(path: Path) -> bool:
     return os.access(path, os.W_OK | os.X_OK)
 
 
-def _precision_problem(precision: str) -> str | None:
-    if precision == "fp32":
+def _precision_problem(precision: Precision) -> str | None:
+    if precision == Precision.FP32:
         return None
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
-    supported = accelerator.is_bf16_supported() if precision == "bf16" else accelerator.is_fp16_supported()
+    supported = accelerator.is_bf16_supported() if precision == Precision.BF16 else accelerator.is_fp16_supported()
     if supported:
         return None
     return f"training.precision {precision} is not supported by this machine's {accelerator.device_name()} accelerator"
@@ -45,7 +47,7 @@ def _offload_problems(deepspeed: Mapping[str, object]) -> list[str]:
     problems = []
     for key in ("offload_optimizer", "offload_param"):
         section = zero.get(key) or {}
-        if isinstance(section, Mapping) and section.get("device") == "nvme":
+        if isinstance(section, Mapping) and section.get("device") == Offload.NVME:
             nvme = section.get("nvme_path")
             if not nvme or not Path(str(nvme)).is_dir():
                 problems.append(f"deepspeed {key} uses NVMe but nvme_path {nvme!r} does not exist")
@@ -77,14 +79,14 @@ def check(config: TrainerConfig, environ: Mapping[str, str]) -> None:
             f"model.architecture.vocabSize {architecture.vocab_size} is below the {BYTE_TOKENIZER_VOCAB} ids of "
             "the byte-level tokenizer random-init models use"
         )
-    if training.attention == "flash" and importlib.util.find_spec("flash_attn") is None:
+    if training.attention == Attention.FLASH and importlib.util.find_spec("flash_attn") is None:
         problems.append("training.attention is flash but the flash-attn package is not installed")
-    bnb_needed = training.method == "qlora" or (
-        "optimizer" not in config.deepspeed and training.optimizer in NEEDS_BITSANDBYTES | {"lion"}
+    bnb_needed = training.method == Method.QLORA or (
+        "optimizer" not in config.deepspeed and training.optimizer in NEEDS_BITSANDBYTES
     )
     if bnb_needed and importlib.util.find_spec("bitsandbytes") is None:
         problems.append(f"{training.method} with optimizer {training.optimizer} needs bitsandbytes, not installed")
-    if training.method == "qlora" and training.precision != "bf16":
+    if training.method == Method.QLORA and training.precision != Precision.BF16:
         problems.append("qlora computes in bf16: set training.precision to bf16")
     problems.extend(_offload_problems(config.deepspeed))
     if not _writable_dir(Path(config.output_dir)):

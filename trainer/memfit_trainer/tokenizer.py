@@ -51,7 +51,10 @@ def byte_level_tokenizer() -> Any:
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens([EOS_TOKEN, PAD_TOKEN])
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
+    # The tokenizer classes of transformers have unannotated constructors.
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=backend, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN
+    )
 
 
 def load_tokenizer(
