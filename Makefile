@@ -42,8 +42,8 @@ demo: setup
 	$(VENV)/bin/memfit run examples/tiny/job.yaml --local
 
 crds: setup
-	$(PY) -c "from memfit.api.crd import CRD_FILES, crd_yaml; [open(f'crds/{n}', 'w').write(crd_yaml(g())) for n, g in CRD_FILES.items()]"
-	cp crds/memfit.dev_*.yaml charts/memfit/crds/
+	$(PY) -c "from memfit.api.crd import ALL_CRD_FILES, crd_yaml; [open(f'crds/{n}', 'w').write(crd_yaml(g())) for n, g in ALL_CRD_FILES.items()]"
+	cp crds/*.yaml charts/memfit/crds/
 
 # The Grafana dashboards of the chart, generated (tests/monitoring fails when they are stale).
 dashboards: setup

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from memfit.api.finetunejob import FineTuneJobSpec
 from memfit.api.gpupool import GPUPool
+from memfit.api.vocabulary import Method
 
 
 def pool(name: str, product: str, gpus_per_node: int, nodes: int, cpu_gib: float, nvme_gib: float = 0) -> GPUPool:
@@ -24,6 +26,19 @@ def job(preset: str, method: str = "auto", batch: int = 32, sequence: int = 2048
     }
     document.update(extra)
     return FineTuneJobSpec.model_validate(document)
+
+
+def unvalidated_job(preset: str, method: str, batch: int = 32, **pins: dict[str, Any]) -> FineTuneJobSpec:
+    """``job`` with ``pins`` (camelCase fields per section) set without validation: a spec the API refuses,
+    as code could still build one, for checking that the planner holds the same rules by itself."""
+    valid = job(preset, "full", batch=batch)
+    parts = {
+        section: getattr(valid, section).model_copy(
+            update={re.sub(r"(?<!^)(?=[A-Z])", "_", key).lower(): value for key, value in fields.items()}
+        )
+        for section, fields in pins.items()
+    }
+    return valid.model_copy(update={"method": Method(method), **parts})
 
 
 A100_NODE = pool("a100", "NVIDIA-A100-SXM4-80GB", 8, 1, 1000)

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from memfit.api.loading import load_documents
+from memfit.cli.exit_codes import ExitCode
 from memfit.cli.main import main
 from memfit.render.deepspeed import deepspeed_config
 
@@ -168,3 +169,58 @@ def test_every_example_job_plans(example: str, capsys: pytest.CaptureFixture[str
     code, out, err = run(capsys, ROOT / "examples" / example, "-i", INVENTORY, "-o", "json")
     assert code == 0, err
     assert json.loads(out)["chosen"]["fits"]
+
+
+def test_an_internal_error_is_one_line_and_exit_3(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug is not bad input (2) nor "nothing fits" (1): one escaped line, the traceback only with --debug."""
+    import memfit.cli.plan_command
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("boom\n\x1b[31m[bold]red")
+
+    monkeypatch.setattr(memfit.cli.plan_command, "plan_job", broken)
+    code, out, err = run(capsys, JOB, "-i", INVENTORY)
+    assert code == ExitCode.INTERNAL_ERROR == 3 and out == ""
+    line = "memfit: internal error: RuntimeError: boom\\n\\x1b[31m[bold]red"
+    assert err == f"{line} (run `memfit --debug ...` for the traceback)\n"
+    for argv in (
+        ["--debug", "plan", str(JOB), "-i", str(INVENTORY)],
+        ["plan", "--debug", str(JOB), "-i", str(INVENTORY)],
+    ):
+        assert main(argv) == 3
+        err = capsys.readouterr().err
+        assert err.startswith("Traceback") and err.endswith(
+            "memfit: internal error: RuntimeError: boom\\n\\x1b[31m[bold]red\n"
+        )
+
+
+def test_ctrl_c_exits_130(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import memfit.cli.plan_command
+
+    def interrupted(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(memfit.cli.plan_command, "plan_job", interrupted)
+    code, _, err = run(capsys, JOB, "-i", INVENTORY)
+    assert code == ExitCode.INTERRUPTED == 130 and err == "memfit: interrupted\n"
+
+
+def test_an_unwritable_ds_config_is_bad_input(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, _, err = run(capsys, JOB, "-i", INVENTORY, "-o", "json", "--emit-ds-config", tmp_path / "no" / "ds.json")
+    assert code == 2 and err.count("\n") == 1 and "cannot write" in err and "ds.json" in err
+
+
+def test_an_error_prints_names_literally(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Markup is not interpreted and control characters are escaped: the terminal sees what the file says."""
+    job = yaml.safe_load(JOB.read_text())
+    job["metadata"]["name"] = "[/]\x1b[2J"
+    job["spec"]["training"]["globalBatchSize"] = "64"
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    code, _, err = run(capsys, path, "-i", INVENTORY)
+    assert (
+        code == 2
+        and "FineTuneJob '[/]\\x1b[2J': spec.training.globalBatchSize: Input should be a valid integer, got '64'" in err
+    )

@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from memfit.api.base import Source, VolumePath
+from memfit.api.finetunejob import FineTuneJob
 from memfit.api.gpupool import pool_capacity
+from memfit.api.loading import load_documents
+from memfit.cli import run_command
 from memfit.cli.local_machine import CPU_PRODUCT, LocalMachine, local_pool
 from memfit.cli.main import main
 from memfit.contract.trainer_config import load_config
@@ -69,3 +74,124 @@ def test_gpu_machine_uses_the_product_table() -> None:
     assert capacity.peak_flops_bf16 == pytest.approx(312e12)
     with pytest.raises(ValueError, match="has 2 GPU"):
         local_pool(machine, ranks=4)
+
+
+# --- paths stay inside their claim's directory (defence in depth: also for a job the API never validated) ---
+
+
+def unvalidated(job_file: Path, **spec: Any) -> FineTuneJob:
+    """The job of ``job_file`` with parts of its spec replaced without any validation (``model_construct``),
+    as if the API's own checks had been bypassed."""
+    job = load_documents(job_file).jobs[0]
+    return job.model_copy(update={"spec": job.spec.model_copy(update=spec)})
+
+
+@pytest.fixture
+def nested_job(tmp_path: Path) -> Path:
+    """The tiny job one level down, so that a path escaping its directory lands in ``tmp_path``."""
+    jobs = tmp_path / "jobs"
+    shutil.copytree(TINY / "data", jobs / "data")
+    shutil.copy(TINY / "job.yaml", jobs / "job.yaml")
+    return jobs / "job.yaml"
+
+
+def outside(tmp_path: Path) -> set[str]:
+    """What exists beside the job's directory (nothing may be written there)."""
+    return {p.name for p in tmp_path.iterdir()} - {"jobs"}
+
+
+@pytest.mark.parametrize(
+    "output",
+    [
+        VolumePath.model_construct(pvc="output", path="../../escape"),
+        VolumePath.model_construct(pvc="output", path="/../escape"),
+        VolumePath.model_construct(pvc=str(Path("/tmp") / "memfit-escape-claim"), path="x"),
+        VolumePath.model_construct(pvc="../escape", path="x"),
+        VolumePath.model_construct(pvc="..", path="escape"),
+        VolumePath.model_construct(pvc="output", path="tiny\x00"),
+    ],
+    ids=["dotdot-path", "rooted-dotdot-path", "absolute-claim", "dotdot-claim", "parent-claim", "nul-path"],
+)
+def test_an_unvalidated_output_cannot_leave_the_jobs_directory(
+    nested_job: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    output: VolumePath,
+) -> None:  # fmt: skip
+    job = unvalidated(nested_job, output=output)
+    monkeypatch.setattr(run_command, "_single_job", lambda path, name: job)
+    assert main(["run", str(nested_job), "--local", "--nproc", "2", "--dry-run"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("memfit run: error: ")
+    assert outside(tmp_path) == set()
+    assert not Path("/tmp/memfit-escape-claim").exists()
+
+
+def test_an_unvalidated_data_path_cannot_leave_its_claim(
+    nested_job: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    job = load_documents(nested_job).jobs[0]
+    dataset = job.spec.dataset.model_copy(update={"source": Source.model_construct(pvc="data", path="../../x")})
+    job = unvalidated(nested_job, dataset=dataset)
+    monkeypatch.setattr(run_command, "_single_job", lambda path, name: job)
+    assert main(["run", str(nested_job), "--local", "--nproc", "2", "--dry-run"]) == 2
+    assert "climbs out" in capsys.readouterr().err
+
+
+def test_a_job_file_with_dotdot_in_its_output_path_is_refused(nested_job: Path, tmp_path: Path) -> None:
+    nested_job.write_text(nested_job.read_text().replace("path: tiny/", "path: ../../escape"))
+    assert main(["run", str(nested_job), "--local", "--dry-run"]) == 2
+    assert outside(tmp_path) == set()
+
+
+def test_a_claim_directory_leading_out_of_the_jobs_directory_is_refused(
+    nested_job: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "elsewhere").mkdir()
+    (nested_job.parent / "output").symlink_to(tmp_path / "elsewhere")
+    assert main(["run", str(nested_job), "--local", "--dry-run"]) == 2
+    assert "outside" in capsys.readouterr().err and not any((tmp_path / "elsewhere").iterdir())
+    # The same directory named explicitly is the user's choice: the claim's directory, inside which paths stay.
+    assert main(["run", str(nested_job), "--local", "--mount", f"output={tmp_path / 'elsewhere'}", "--dry-run"]) == 0
+    assert (tmp_path / "elsewhere" / "tiny" / ".memfit" / "trainer-config.json").is_file()
+
+
+@pytest.mark.parametrize("link", ["output/tiny", "output/tiny/.memfit"])
+def test_a_symlink_inside_the_claim_leading_out_is_refused(
+    nested_job: Path, tmp_path: Path, link: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "elsewhere").mkdir()
+    planted = nested_job.parent / link
+    planted.parent.mkdir(parents=True)
+    planted.symlink_to(tmp_path / "elsewhere")
+    assert main(["run", str(nested_job), "--local", "--dry-run"]) == 2
+    assert "outside" in capsys.readouterr().err
+    assert not any((tmp_path / "elsewhere").iterdir())
+
+
+def test_a_planted_config_symlink_is_replaced_not_followed(nested_job: Path, tmp_path: Path) -> None:
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    workdir = nested_job.parent / "output" / "tiny" / ".memfit"
+    workdir.mkdir(parents=True)
+    (workdir / "trainer-config.json").symlink_to(victim)
+    (workdir / "termination-log").symlink_to(victim)  # the trainer writes it in place: the link goes
+    assert main(["run", str(nested_job), "--local", "--dry-run"]) == 0
+    assert victim.read_text() == "precious\n"
+    assert not (workdir / "trainer-config.json").is_symlink() and not (workdir / "termination-log").exists()
+    assert load_config(workdir / "trainer-config.json").job == "default/tiny"
+    assert [p.name for p in workdir.iterdir()] == ["trainer-config.json"]  # no temporary file left
+
+
+def test_a_mount_must_name_a_claim(tiny_job: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", str(tiny_job), "--local", "--mount", f"../data={tiny_job.parent}", "--dry-run"]) == 2
+    assert "not a PersistentVolumeClaim name" in capsys.readouterr().err
+
+
+def test_the_rendered_config_names_its_volumes(tiny_job: Path) -> None:
+    assert main(["run", str(tiny_job), "--local", "--dry-run"]) == 0
+    config = load_config(tiny_job.parent / "output" / "tiny" / ".memfit" / "trainer-config.json")
+    assert config.volumes is not None
+    assert (config.volumes.data, config.volumes.output) == (
+        str(tiny_job.parent / "data"),
+        str(tiny_job.parent / "output"),
+    )
+    assert config.volumes.model is None  # random init: no model volume

@@ -73,8 +73,10 @@ def test_printer_columns_read_fields_that_exist() -> None:
 
 
 def test_memfit_crd_prints_every_document() -> None:
+    """Every CRD the operator needs: memfit's, and kopf's peering CRDs (a replicated operator waits for one)."""
     documents = list(yaml.safe_load_all(crd_documents_yaml()))
-    assert {d["spec"]["names"]["kind"] for d in documents} == {"FineTuneJob", "GPUPool"}
+    assert {d["spec"]["names"]["kind"] for d in documents} == {"FineTuneJob", "GPUPool", "ClusterKopfPeering",
+                                                               "KopfPeering"}  # fmt: skip
 
 
 def test_spec_defaults_in_crd_equal_model_defaults() -> None:
@@ -94,9 +96,9 @@ def test_status_plan_strategy_carries_every_field_of_the_planners_strategy() -> 
 
 
 def _immutability_rule() -> tuple[str, dict]:
+    """The rule sits at the root of the schema: whether the spec may change depends on status.launchedSpec."""
     crd = yaml.safe_load((CRDS / "memfit.dev_finetunejobs.yaml").read_text())
-    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    [validation] = spec["x-kubernetes-validations"]
+    [validation] = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["x-kubernetes-validations"]
     return validation["rule"], FineTuneJobSpec.model_validate(yaml.safe_load(
         (ROOT / "examples" / "llama-3.1-8b-lora.yaml").read_text())["spec"]).to_api()  # fmt: skip
 
@@ -104,14 +106,28 @@ def _immutability_rule() -> tuple[str, dict]:
 @pytest.mark.parametrize("field", [f.alias or n for n, f in FineTuneJobSpec.model_fields.items()])
 def test_the_cel_rule_lets_only_suspend_change(field: str) -> None:
     """The CRD's transition rule (Kubernetes 1.25+, which the test API server predates), evaluated by a CEL
-    implementation on a defaulted spec, as the API server sees it: suspend may change, nothing else."""
-    rule, old = _immutability_rule()
+    implementation on a defaulted spec, as the API server sees it: after the first launch (status.launchedSpec),
+    suspend may change, nothing else (before it, see tests/operator/test_spec_changes.py)."""
+    rule, spec = _immutability_rule()
+    old = {"spec": spec, "status": {"phase": "Running", "launchedSpec": spec}}
     environment = celpy.Environment()
     program = environment.program(environment.compile(rule))
     changed = json.loads(json.dumps(old))
-    value = changed[field]
-    changed[field] = (not value if isinstance(value, bool) else value + 1 if isinstance(value, int)
-                      else f"{value}-other" if isinstance(value, str) else {**value, "changed": True})  # fmt: skip
+    value = changed["spec"][field]
+    changed["spec"][field] = (not value if isinstance(value, bool) else value + 1 if isinstance(value, int)
+                              else f"{value}-x" if isinstance(value, str) else {**value, "changed": True})  # fmt: skip
     allowed = program.evaluate({"self": celpy.json_to_cel(changed), "oldSelf": celpy.json_to_cel(old)})
     assert bool(allowed) is (field == "suspend")
     assert bool(program.evaluate({"self": celpy.json_to_cel(old), "oldSelf": celpy.json_to_cel(old)}))
+
+
+@pytest.mark.parametrize("name", sorted(CRD_FILES))
+def test_every_number_in_a_spec_is_bounded(name: str) -> None:
+    """The API server refuses what the models refuse: no integer or number without a minimum and a maximum
+    (an unbounded globalBatchSize once made the planner run for ever)."""
+    crd = yaml.safe_load((CRDS / name).read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    numbers = [(path, node) for path, node in _walk(spec, "spec") if node.get("type") in ("integer", "number")]
+    assert numbers
+    for path, node in numbers:
+        assert "minimum" in node and "maximum" in node, f"{path} is unbounded"

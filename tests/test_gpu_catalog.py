@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from memfit.catalog.gpus import GPU_ALIASES, GPU_PRODUCTS, GPUProduct, gpu_product
+from memfit.catalog.gpus import GPU_ALIASES, GPU_PRODUCTS, GPUProduct, gpu_product, unknown_product
 
 REQUIRED = [
     "NVIDIA-A100-SXM4-40GB",
@@ -122,6 +122,13 @@ def test_unknown_lists_known_products() -> None:
     msg = str(err.value)
     assert "NVIDIA-Z9000" in msg
     assert "NVIDIA-A100-SXM4-80GB" in msg and "Tesla-T4" in msg
+
+
+def test_an_unknown_label_is_echoed_short_and_escaped() -> None:
+    with pytest.raises(KeyError) as err:
+        gpu_product("\x1b[31m" + "G" * 100_000)
+    shown = unknown_product("\x1b[31m" + "G" * 100_000)
+    assert shown in err.value.args[0] and shown.isprintable() and len(shown) < 120
 
 
 def test_mig_and_shared_labels_are_not_whole_gpus() -> None:

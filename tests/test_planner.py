@@ -92,13 +92,18 @@ def test_every_candidate_keeps_the_global_batch_exact_and_fits_with_headroom() -
         s = candidate.strategy
         assert s.micro_batch_size * s.gradient_accumulation_steps * s.gpus == 48
         assert candidate.memory.per_gpu.total <= 0.85 * candidate.gpu_memory_bytes
-        parts = candidate.memory.per_gpu
-        assert (
-            parts.total
-            == parts.parameters + parts.gradients + parts.optimizer_states + parts.activations + parts.overhead
-        )
-    speeds = [c.throughput.tokens_per_second for c in result.candidates]
-    assert speeds == sorted(speeds, reverse=True)
+        memory = candidate.memory
+        assert memory.phases is not None and memory.binding is not None
+        for phase in (memory.phases.forward_backward, memory.phases.optimizer_step):
+            assert phase.total == phase.parameters + phase.gradients + phase.optimizer_states + phase.activations + (
+                phase.overhead
+            )
+        assert memory.per_gpu.total == memory.phases.at(memory.binding).total
+    # The planner's order: the method that changes the model least first (auto's preference), then the fastest.
+    order = [(("full", "lora", "qlora").index(c.strategy.method), -c.throughput.tokens_per_second)
+             for c in result.candidates]  # fmt: skip
+    assert order == sorted(order)
+    assert result.candidates[0] == result.chosen
 
 
 def test_pinned_knobs_are_kept() -> None:
@@ -157,7 +162,7 @@ def test_advice_for_a_host_memory_shortfall_points_at_the_host_and_the_method() 
     result = plan_job(job("llama-3.1-70b", "full"), [pool("l4", "NVIDIA-L4", 1, 4, 60)])
     assert result.chosen is None and result.rejected[0].reason.startswith("CPU memory")
     assert any("cpuMemoryGiBPerNode" in line and "nvmeGiBPerNode" in line for line in result.advice)
-    assert any(line.startswith("method auto") for line in result.advice)
+    assert any(line.startswith("method lora (adapters on a frozen base) would fit: lora ") for line in result.advice)
 
 
 def test_advice_for_a_gpu_shortfall_names_the_gpu_size_that_would_fit() -> None:

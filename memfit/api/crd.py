@@ -3,6 +3,9 @@
 pydantic emits JSON Schema 2020-12; Kubernetes wants a *structural* OpenAPI v3.0 schema: no ``$ref``,
 ``nullable`` instead of ``anyOf: [X, null]``, boolean ``exclusiveMinimum``, no ``title``/``const``.
 ``crds/`` holds the output and a test fails when it drifts from the models.
+
+kopf's peering CRDs are here too (``PEERING_CRD_FILES``): the operator's replicas need one of them, so
+``memfit crd`` and ``crds/`` carry every CRD the operator needs.
 """
 
 from __future__ import annotations
@@ -120,13 +123,28 @@ def _column(name: str, path: str, kind: str = "string", description: str = "", p
     return column
 
 
-def _immutable_spec() -> dict[str, str]:
-    """A CEL transition rule (Kubernetes 1.25+; older API servers drop it, and the operator reports and ignores
-    the change instead): every spec field but `suspend` keeps its value."""
-    fields = [field.alias or name for name, field in FineTuneJobSpec.model_fields.items() if name != "suspend"]
+def _immutable_spec(spec: dict[str, Any]) -> dict[str, str]:
+    """A CEL transition rule on the whole object (Kubernetes 1.25+; older API servers drop it, and the operator
+    reports and ignores the change instead), the operator's rule: once the job has launched (the operator
+    records status.launchedSpec at the first launch), every spec field but `suspend` keeps its value; until
+    then the spec may change (fixing an Invalid or Unschedulable job plans it anew). It sits at the root of
+    the schema because a rule sees only its own node and below, and the decision needs status.
+
+    A field the API server does not default may be absent (`lora`, `strategy`, ...): CEL fails on a missing
+    field, so such fields compare presence first."""
+    always = set(spec.get("required", [])) | {name for name, node in spec["properties"].items() if "default" in node}
+    kept = []
+    for name in spec["properties"]:
+        if name == "suspend":
+            continue
+        same = f"self.spec.{name} == oldSelf.spec.{name}"
+        if name not in always:
+            same = f"(has(self.spec.{name}) ? has(oldSelf.spec.{name}) && {same} : !has(oldSelf.spec.{name}))"
+        kept.append(same)
     return {
-        "rule": " && ".join(f"self.{name} == oldSelf.{name}" for name in fields),
-        "message": "the spec of a FineTuneJob is immutable except spec.suspend: delete the job and create a new one",
+        "rule": "!has(oldSelf.status) || !has(oldSelf.status.launchedSpec) || (" + " && ".join(kept) + ")",
+        "message": "the spec of a FineTuneJob is immutable after its first launch (status.launchedSpec) except "
+        "spec.suspend: delete the job and create a new one",
     }
 
 
@@ -137,11 +155,13 @@ def _resource_schema(description: str, **parts: dict[str, Any]) -> dict[str, Any
 
 
 def finetunejob_crd() -> dict[str, Any]:
+    spec = _object_schema(FineTuneJobSpec, "The desired job.")
     schema = _resource_schema(
         "A fine-tuning job that memfit plans to fit the declared GPUs, launches and follows.",
-        spec={**_object_schema(FineTuneJobSpec, "The desired job."), "x-kubernetes-validations": [_immutable_spec()]},
+        spec=spec,
         status=without_defaults(_object_schema(FineTuneJobStatus, "Observed state, written by the operator.")),
     )
+    schema["x-kubernetes-validations"] = [_immutable_spec(spec)]
     columns = [
         _column("Status", ".status.phase", description="Where the job is"),
         _column("Method", ".status.plan.strategy.method", description="Planned method"),
@@ -171,17 +191,76 @@ def gpupool_crd() -> dict[str, Any]:
     return _crd("gpupools", "GPUPool", "Cluster", schema, columns, ["gpool"])
 
 
+KOPF_GROUP = "kopf.dev"
+
+
+def kopf_peering_crd(kind: str, plural: str, scope: str) -> dict[str, Any]:
+    """kopf's peering resource as kopf documents it: only status, kept as the replicas write it."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.{KOPF_GROUP}", "labels": {"app.kubernetes.io/part-of": "memfit"}},
+        "spec": {
+            "scope": scope,
+            "group": KOPF_GROUP,
+            "names": {"kind": kind, "plural": plural, "singular": kind.lower()},
+            "versions": [
+                {
+                    "name": "v1",
+                    "served": True,
+                    "storage": True,
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "properties": {"status": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+                        }
+                    },
+                }
+            ],
+        },
+    }
+
+
+def cluster_peering_crd() -> dict[str, Any]:
+    return kopf_peering_crd("ClusterKopfPeering", "clusterkopfpeerings", "Cluster")
+
+
+def namespaced_peering_crd() -> dict[str, Any]:
+    return kopf_peering_crd("KopfPeering", "kopfpeerings", "Namespaced")
+
+
 CRD_FILES = {
     f"{GROUP}_finetunejobs.yaml": finetunejob_crd,
     f"{GROUP}_gpupools.yaml": gpupool_crd,
 }
-"""File name in crds/ -> generator (kubebuilder's naming)."""
+"""memfit's own CRDs, generated from the models: file name in crds/ -> generator (kubebuilder's naming)."""
+PEERING_CRD_FILES = {
+    f"{KOPF_GROUP}_clusterkopfpeerings.yaml": cluster_peering_crd,
+    f"{KOPF_GROUP}_kopfpeerings.yaml": namespaced_peering_crd,
+}
+"""kopf's peering CRDs (ClusterKopfPeering for an operator of the whole cluster, KopfPeering for one
+restricted to a namespace): without the one it uses, a replicated operator waits forever."""
+ALL_CRD_FILES = {**CRD_FILES, **PEERING_CRD_FILES}
+"""Every CRD the operator needs: what crds/ holds and `memfit crd` prints."""
+
+
+class _PlainDumper(yaml.SafeDumper):
+    """Writes repeated values out in full: a CRD is read by people and by kubectl, not only by YAML
+    parsers, and anchors (`&id001`) make it harder to read and to diff."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
 
 
 def crd_yaml(crd: dict[str, Any]) -> str:
-    header = "# Generated by `memfit crd` from the pydantic models in memfit.api. Do not edit.\n"
-    return header + yaml.safe_dump(crd, sort_keys=False, width=120)
+    if crd["spec"]["group"] == KOPF_GROUP:
+        header = ("# kopf's peering resource: the operator's replicas agree through it which one is active.\n"
+                  "# Generated by `memfit crd` (memfit/api/crd.py). Do not edit.\n")  # fmt: skip
+    else:
+        header = "# Generated by `memfit crd` from the pydantic models in memfit.api. Do not edit.\n"
+    return header + yaml.dump(crd, Dumper=_PlainDumper, sort_keys=False, width=120)
 
 
 def crd_documents_yaml() -> str:
-    return "---\n".join(crd_yaml(generate()) for generate in CRD_FILES.values())
+    """Every CRD the operator needs (memfit's and kopf's peering CRDs), as one YAML stream."""
+    return "---\n".join(crd_yaml(generate()) for generate in ALL_CRD_FILES.values())

@@ -2,14 +2,29 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
-from pydantic import Field, PositiveInt, model_validator
+from pydantic import Field, Strict, model_validator
 
-from memfit.api.base import API_VERSION, ApiModel, Condition, NonEmptyStr, ObjectMeta, Source, VolumePath
-from memfit.api.plan import PlanCandidate
+from memfit.api.base import (
+    API_VERSION,
+    MAX_ATTEMPTS,
+    MAX_COUNTER,
+    MAX_STEPS,
+    ApiModel,
+    Condition,
+    NonEmptyStr,
+    ObjectMeta,
+    Source,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    VolumePath,
+    shown,
+)
+from memfit.api.plan import PlanCandidate, strategy_conflicts
 from memfit.api.vocabulary import (
-    EIGHT_BIT_OPTIMIZERS,
     Attention,
     DatasetFormat,
     Method,
@@ -21,6 +36,32 @@ from memfit.api.vocabulary import (
 )
 from memfit.catalog.models import MODEL_PRESETS, model_preset
 from memfit.model_shape import ModelFamily, ModelShape
+
+# Bounds of a FineTuneJob (see memfit.api.base): each far beyond any published model or real job.
+MAX_HIDDEN_SIZE: Final = 131_072
+"""Model width (the largest published dense models use 16-25k)."""
+MAX_INTERMEDIATE_SIZE: Final = 1_048_576
+"""MLP width."""
+MAX_LAYERS: Final = 1024
+"""Decoder layers (the largest published models have about 130)."""
+MAX_HEADS: Final = 1024
+"""Attention heads (and key/value heads)."""
+MAX_HEAD_DIM: Final = 4096
+"""Width of one attention head."""
+MAX_VOCAB_SIZE: Final = 4_194_304
+"""Vocabulary entries (the largest published vocabularies hold about 260k)."""
+MAX_EXPERTS: Final = 4096
+"""Mixture-of-experts: experts per layer, and experts per token."""
+MAX_LORA_RANK: Final = 4096
+"""LoRA adapter rank."""
+MAX_GLOBAL_BATCH_SIZE: Final = 65_536
+"""Sequences per optimizer step (the planner's work grows with the number of its divisors)."""
+MAX_SEQUENCE_LENGTH: Final = 1_048_576
+"""Tokens per sequence."""
+MAX_GPUS: Final = 640_000
+"""GPUs of one job: the largest pool (10000 nodes of 64 GPUs)."""
+LORA_TARGET = r"^[A-Za-z0-9_.\-]+$"
+"""A module name (q_proj, model.layers.0.mlp, all-linear)."""
 
 _SHAPE_FIELDS = (
     "hidden_size",
@@ -35,30 +76,30 @@ _SHAPE_FIELDS = (
 class Architecture(ApiModel):
     """The model's shape: a built-in `preset`, or the explicit sizes from its config.json."""
 
-    preset: str | None = None
+    preset: Annotated[str, Strict(), Field(min_length=1, max_length=128)] | None = None
     """A built-in model, e.g. llama-3.1-8b, qwen2.5-7b, mistral-7b-v0.3, gemma-2-9b, phi-3-mini
     (`memfit presets` lists them). Leave empty to give the sizes instead."""
     family: ModelFamily = ModelFamily.LLAMA
     """Architecture family (the `model_type` in config.json): decides module names and layout."""
-    hidden_size: PositiveInt | None = None
+    hidden_size: Annotated[int, Strict(), Field(ge=1, le=MAX_HIDDEN_SIZE)] | None = None
     """config.json `hidden_size`."""
-    intermediate_size: PositiveInt | None = None
+    intermediate_size: Annotated[int, Strict(), Field(ge=1, le=MAX_INTERMEDIATE_SIZE)] | None = None
     """config.json `intermediate_size` (MLP width)."""
-    num_layers: PositiveInt | None = None
+    num_layers: Annotated[int, Strict(), Field(ge=1, le=MAX_LAYERS)] | None = None
     """config.json `num_hidden_layers`."""
-    num_attention_heads: PositiveInt | None = None
+    num_attention_heads: Annotated[int, Strict(), Field(ge=1, le=MAX_HEADS)] | None = None
     """config.json `num_attention_heads`."""
-    num_key_value_heads: PositiveInt | None = None
+    num_key_value_heads: Annotated[int, Strict(), Field(ge=1, le=MAX_HEADS)] | None = None
     """config.json `num_key_value_heads` (grouped-query attention); defaults to `numAttentionHeads`."""
-    head_dim: PositiveInt | None = None
+    head_dim: Annotated[int, Strict(), Field(ge=1, le=MAX_HEAD_DIM)] | None = None
     """config.json `head_dim`; defaults to hiddenSize / numAttentionHeads."""
-    vocab_size: PositiveInt | None = None
+    vocab_size: Annotated[int, Strict(), Field(ge=1, le=MAX_VOCAB_SIZE)] | None = None
     """config.json `vocab_size`."""
-    tie_word_embeddings: bool = False
+    tie_word_embeddings: StrictBool = False
     """config.json `tie_word_embeddings`: the LM head shares the embedding matrix."""
-    num_experts: PositiveInt = 1
+    num_experts: StrictInt = Field(default=1, ge=1, le=MAX_EXPERTS)
     """Mixture-of-experts: experts per layer (config.json `num_local_experts`); 1 for dense models."""
-    experts_per_token: PositiveInt = 1
+    experts_per_token: StrictInt = Field(default=1, ge=1, le=MAX_EXPERTS)
     """Mixture-of-experts: experts each token is routed to (config.json `num_experts_per_tok`)."""
 
     @model_validator(mode="after")
@@ -66,7 +107,7 @@ class Architecture(ApiModel):
         given = [name for name in _SHAPE_FIELDS if getattr(self, name) is not None]
         if self.preset is not None:
             if self.preset.lower() not in MODEL_PRESETS:
-                raise ValueError(f"unknown preset {self.preset!r}; known presets: {', '.join(MODEL_PRESETS)}")
+                raise ValueError(f"unknown preset {shown(self.preset)}; known presets: {', '.join(MODEL_PRESETS)}")
             if given or self.head_dim is not None:
                 raise ValueError("give either `preset` or the explicit sizes, not both")
             return self
@@ -118,7 +159,7 @@ class ModelSpec(ApiModel):
     """Where the weights come from. Empty: the Hub, anonymously."""
     architecture: Architecture
     """The model's shape, which decides its memory needs."""
-    random_init: bool = False
+    random_init: StrictBool = False
     """Build the architecture with random weights instead of loading any (smoke tests of a cluster or
     a pipeline; nothing is downloaded)."""
 
@@ -130,11 +171,11 @@ class DatasetSpec(ApiModel):
     """Where the data files are."""
     format: DatasetFormat = DatasetFormat.JSONL
     """File format."""
-    text_field: str | None = None
+    text_field: Annotated[str, Strict(), Field(min_length=1, max_length=256)] | None = None
     """Field holding plain text (default `text` when no `messagesField` is given)."""
-    messages_field: str | None = None
+    messages_field: Annotated[str, Strict(), Field(min_length=1, max_length=256)] | None = None
     """Field holding chat messages ([{role, content}, ...]), rendered with the model's chat template."""
-    streaming: bool = False
+    streaming: StrictBool = False
     """Stream the files instead of loading them (for datasets larger than the node's memory)."""
 
     @model_validator(mode="after")
@@ -149,43 +190,45 @@ class DatasetSpec(ApiModel):
 class LoraSpec(ApiModel):
     """LoRA adapter settings (used by methods lora and qlora, and by auto when it picks them)."""
 
-    rank: PositiveInt = 16
-    """Adapter rank r."""
-    alpha: float = Field(default=32.0, gt=0)
+    rank: StrictInt = Field(default=16, ge=1, le=MAX_LORA_RANK)
+    """Adapter rank r (1-4096)."""
+    alpha: StrictFloat = Field(default=32.0, gt=0, le=1_000_000)
     """Scaling numerator (the update is scaled by alpha / rank)."""
-    dropout: float = Field(default=0.05, ge=0, lt=1)
+    dropout: StrictFloat = Field(default=0.05, ge=0, lt=1)
     """Dropout on the adapter input."""
-    target_modules: list[NonEmptyStr] = Field(default_factory=lambda: ["all-linear"], min_length=1)
+    target_modules: list[Annotated[str, Strict(), Field(min_length=1, max_length=128, pattern=LORA_TARGET)]] = Field(
+        default_factory=lambda: ["all-linear"], min_length=1, max_length=64
+    )
     """Linear modules that get adapters, by name (q_proj, v_proj, ...) or `all-linear`."""
 
 
 class TrainingSpec(ApiModel):
     """Training settings. The planner keeps `globalBatchSize` exact: micro-batch x accumulation x GPUs."""
 
-    global_batch_size: PositiveInt = 32
-    """Sequences per optimizer step, across all GPUs."""
-    sequence_length: Annotated[int, Field(ge=8, le=1_048_576)] = 2048
+    global_batch_size: StrictInt = Field(default=32, ge=1, le=MAX_GLOBAL_BATCH_SIZE)
+    """Sequences per optimizer step, across all GPUs (1-65536)."""
+    sequence_length: StrictInt = Field(default=2048, ge=8, le=MAX_SEQUENCE_LENGTH)
     """Tokens per sequence (samples are packed to this length)."""
-    epochs: PositiveInt | None = None
+    epochs: Annotated[int, Strict(), Field(ge=1, le=MAX_STEPS)] | None = None
     """Passes over the dataset. Give this or `maxSteps` (default: 1 epoch)."""
-    max_steps: PositiveInt | None = None
+    max_steps: Annotated[int, Strict(), Field(ge=1, le=MAX_STEPS)] | None = None
     """Optimizer steps to run; overrides `epochs`."""
-    learning_rate: float | None = Field(default=None, gt=0, lt=1)
+    learning_rate: Annotated[float, Strict(), Field(gt=0, lt=1, allow_inf_nan=False)] | None = None
     """Peak learning rate (default: 2e-5 for full fine-tuning, 2e-4 for LoRA/QLoRA)."""
-    warmup_ratio: float = Field(default=0.03, ge=0, lt=1)
+    warmup_ratio: StrictFloat = Field(default=0.03, ge=0, lt=1)
     """Fraction of steps spent warming the learning rate up."""
-    weight_decay: float = Field(default=0.0, ge=0)
-    """Decoupled weight decay."""
-    max_grad_norm: float = Field(default=1.0, gt=0)
+    weight_decay: StrictFloat = Field(default=0.0, ge=0, le=10)
+    """Decoupled weight decay (0-10)."""
+    max_grad_norm: StrictFloat = Field(default=1.0, gt=0, le=1_000_000)
     """Gradient clipping norm."""
     optimizer: Optimizer = Optimizer.ADAMW
     """Optimizer; the 8-bit ones come from bitsandbytes."""
     precision: Precision = Precision.AUTO
     """Compute precision; auto picks bf16 where the GPU has it, else fp16."""
-    checkpoint_every_steps: PositiveInt = 500
+    checkpoint_every_steps: StrictInt = Field(default=500, ge=1, le=MAX_STEPS)
     """Save a resumable checkpoint every this many optimizer steps (and at the end)."""
-    seed: int = 42
-    """Seed for initialisation and data order (a resumed run continues the same order)."""
+    seed: StrictInt = Field(default=42, ge=0, le=2**32 - 1)
+    """Seed for initialisation and data order (a resumed run continues the same order); 0 to 2^32-1."""
 
     @model_validator(mode="after")
     def _length(self) -> TrainingSpec:
@@ -197,26 +240,26 @@ class TrainingSpec(ApiModel):
 class ResourcesSpec(ApiModel):
     """Which GPUs the job may use."""
 
-    pool: str | None = None
+    pool: Annotated[str, Strict(), Field(min_length=1, max_length=253)] | None = None
     """Restrict the job to this GPUPool (default: any pool)."""
-    max_gpus: PositiveInt | None = None
+    max_gpus: Annotated[int, Strict(), Field(ge=1, le=MAX_GPUS)] | None = None
     """Use at most this many GPUs in all (default: as many as help)."""
-    memory_headroom_percent: float = Field(default=10.0, ge=0, lt=90)
+    memory_headroom_percent: StrictFloat = Field(default=10.0, ge=0, lt=90)
     """Plan to leave this share of every GPU's memory free."""
 
 
 class StrategySpec(ApiModel):
     """Pin any knob of the plan; the planner keeps what is pinned and evaluates exactly that."""
 
-    zero_stage: ZeroStage | None = None
+    zero_stage: Annotated[ZeroStage, Strict()] | None = None
     """DeepSpeed ZeRO stage 0-3."""
     offload_optimizer: Offload | None = None
     """Where optimizer states live: GPU (none), CPU memory, or NVMe."""
     offload_parameters: Offload | None = None
     """Where ZeRO-3 keeps parameters between uses: GPU (none), CPU memory, or NVMe."""
-    gradient_checkpointing: bool | None = None
+    gradient_checkpointing: StrictBool | None = None
     """Recompute activations in the backward pass instead of keeping them."""
-    micro_batch_size: PositiveInt | None = None
+    micro_batch_size: Annotated[int, Strict(), Field(ge=1, le=MAX_GLOBAL_BATCH_SIZE)] | None = None
     """Sequences per GPU per forward pass (gradient accumulation makes up the rest)."""
     attention: Attention | None = None
     """Attention kernel: sdpa (PyTorch fused), flash (flash-attn 2), or eager (materialises scores)."""
@@ -241,33 +284,32 @@ class FineTuneJobSpec(ApiModel):
     """Pinned plan knobs; everything left out is planned."""
     output: VolumePath
     """Where checkpoints and the final model or adapter are written."""
-    suspend: bool = False
+    suspend: StrictBool = False
     """Stop the pods and keep everything else; set back to false to resume from the last checkpoint."""
-    max_restarts: Annotated[int, Field(ge=0)] = 3
-    """Gang restarts after failures (out-of-memory re-plans are counted separately)."""
-    max_replans: Annotated[int, Field(ge=0)] = 3
-    """Re-plans to a leaner strategy after out-of-memory failures."""
+    max_restarts: StrictInt = Field(default=3, ge=0, le=MAX_ATTEMPTS)
+    """Gang restarts after failures, 0-100 (out-of-memory re-plans are counted separately)."""
+    max_replans: StrictInt = Field(default=3, ge=0, le=MAX_ATTEMPTS)
+    """Re-plans to a leaner strategy after out-of-memory failures, 0-100."""
 
     @model_validator(mode="after")
     def _consistent(self) -> FineTuneJobSpec:
         strategy = self.strategy
-        if strategy.offload_parameters not in (None, Offload.NONE) and strategy.zero_stage not in (None, 3):
-            raise ValueError("strategy.offloadParameters needs zeroStage 3 (only ZeRO-3 partitions parameters)")
-        if self.method is Method.QLORA and strategy.zero_stage == 3:
-            raise ValueError(
-                "method qlora cannot run under ZeRO-3 (4-bit weights are not partitioned); use zeroStage 0-2"
-            )
+        conflicts = strategy_conflicts(
+            self.method,
+            self.training.precision,
+            strategy.zero_stage,
+            strategy.offload_optimizer,
+            strategy.offload_parameters,
+            self.training.optimizer,
+        )
+        if conflicts:
+            raise ValueError("; ".join(conflicts))
         batch = self.training.global_batch_size
         if strategy.micro_batch_size is not None and batch % strategy.micro_batch_size:
             raise ValueError(
                 f"training.globalBatchSize ({batch}) is not divisible by strategy.microBatchSize "
                 f"({strategy.micro_batch_size})"
             )
-        if self.training.optimizer in EIGHT_BIT_OPTIMIZERS and strategy.offload_optimizer in (
-            Offload.CPU,
-            Offload.NVME,
-        ):
-            raise ValueError("8-bit optimizers run on the GPU; they cannot be combined with strategy.offloadOptimizer")
         self.model.architecture.shape().resolve_lora_targets(tuple(self.lora.target_modules))
         return self
 
@@ -275,38 +317,38 @@ class FineTuneJobSpec(ApiModel):
 class Progress(ApiModel):
     """How far training has come, as the trainer last reported it."""
 
-    step: int = 0
+    step: StrictInt = Field(default=0, ge=0, le=MAX_COUNTER)
     """Optimizer steps done."""
-    total_steps: int | None = None
+    total_steps: Annotated[int, Strict(), Field(ge=0, le=MAX_COUNTER)] | None = None
     """Optimizer steps planned in all."""
-    percent: int = 0
+    percent: StrictInt = Field(default=0, ge=0, le=100)
     """step / totalSteps in percent."""
-    tokens_per_second: float | None = None
+    tokens_per_second: Annotated[float, Strict(), Field(ge=0, le=1e15, allow_inf_nan=False)] | None = None
     """Measured training throughput, all ranks together."""
-    eta: str | None = None
+    eta: StrictStr | None = None
     """Estimated time to finish (RFC 3339)."""
-    last_checkpoint_step: int | None = None
+    last_checkpoint_step: Annotated[int, Strict(), Field(ge=0, le=MAX_COUNTER)] | None = None
     """Step of the newest complete checkpoint."""
-    updated: str | None = None
+    updated: StrictStr | None = None
     """When this progress was read (RFC 3339)."""
 
 
 class Attempt(ApiModel):
     """One launch of the job's pods."""
 
-    number: int
+    number: StrictInt = Field(ge=1, le=MAX_COUNTER)
     """1 for the first launch, then counting up."""
-    strategy_summary: str
+    strategy_summary: StrictStr
     """The plan this attempt ran, in one line."""
-    started: str
+    started: StrictStr
     """When the attempt was launched (RFC 3339)."""
-    finished: str | None = None
+    finished: StrictStr | None = None
     """When it ended (RFC 3339)."""
-    outcome: str | None = None
+    outcome: StrictStr | None = None
     """Succeeded, Failed, OutOfMemory, Suspended, ..."""
-    reason: str | None = None
+    reason: StrictStr | None = None
     """Why it ended, in a sentence."""
-    resumed_from_step: int | None = None
+    resumed_from_step: Annotated[int, Strict(), Field(ge=0, le=MAX_COUNTER)] | None = None
     """The checkpoint step it started from, if any."""
 
 
@@ -316,27 +358,27 @@ class FineTuneJobStatus(ApiModel):
     phase: Phase | None = None
     """Where the job is: Pending, Invalid, Unschedulable, Launching, Running, Restarting, Suspended,
     Succeeded or Failed."""
-    observed_generation: int | None = None
+    observed_generation: Annotated[int, Strict(), Field(ge=0, le=MAX_COUNTER)] | None = None
     """The `.metadata.generation` this status describes."""
     conditions: list[Condition] = Field(default_factory=list)
     """Conditions (Ready, Planned, Running, Succeeded, Suspended) per the Kubernetes API conventions."""
     plan: PlanCandidate | None = None
     """The chosen plan, with its per-GPU memory estimate (the same fields as `memfit plan -o json`)."""
-    gpus: int | None = None
+    gpus: Annotated[int, Strict(), Field(ge=0, le=MAX_GPUS)] | None = None
     """GPUs the current plan uses."""
-    memory_per_gpu: str | None = None
+    memory_per_gpu: StrictStr | None = None
     """Estimated memory per GPU against capacity, e.g. `61.2/80.0 GiB`."""
     progress: Progress | None = None
     """Training progress."""
-    progress_display: str | None = None
+    progress_display: StrictStr | None = None
     """Progress for `kubectl get`, e.g. `42% 420/1000`."""
     attempts: list[Attempt] = Field(default_factory=list)
     """Every launch, with why it ended."""
-    restarts: int = 0
+    restarts: StrictInt = Field(default=0, ge=0, le=MAX_COUNTER)
     """Gang restarts used (of spec.maxRestarts)."""
-    replans: int = 0
+    replans: StrictInt = Field(default=0, ge=0, le=MAX_COUNTER)
     """Out-of-memory re-plans used (of spec.maxReplans)."""
-    excluded_strategies: list[str] = Field(default_factory=list)
+    excluded_strategies: list[StrictStr] = Field(default_factory=list)
     """Strategies ruled out after they ran out of memory (the planner skips them)."""
     launched_spec: FineTuneJobSpec | None = None
     """The spec as it was at the first launch. The spec is immutable from then on except `suspend`:

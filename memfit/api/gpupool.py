@@ -3,56 +3,75 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Final, Literal
 
-from pydantic import Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import Field, Strict, model_validator
 
-from memfit.api.base import API_VERSION, ApiModel, NonEmptyStr, ObjectMeta, Toleration
-from memfit.catalog.gpus import GPUProduct, gpu_product
+from memfit.api.base import API_VERSION, ApiModel, ObjectMeta, StrictFloat, StrictInt, StrictStr, Toleration
+from memfit.catalog.gpus import GPUProduct, gpu_product, unknown_product
 
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+
+# Bounds of a GPUPool (see memfit.api.base). The minima keep the planner's arithmetic finite and free of
+# division by zero (a pool with 1e-9 GiB or 1e308 TFLOPS is refused, not planned); the maxima are far beyond
+# any real node. The smallest memory figures admit `memfit run --local`, whose CPU "devices" share the RAM.
+MIN_MEMORY_GIB: Final = 1 / 16
+"""64 MiB."""
+MAX_GPU_MEMORY_GIB: Final = 4096.0
+"""Memory of one GPU (the largest today hold under 300 GiB)."""
+MAX_NODE_MEMORY_GIB: Final = 65_536.0
+"""CPU memory or NVMe space of one node: 64 TiB."""
+MAX_GPUS_PER_NODE: Final = 64
+MAX_NODES: Final = 10_000
+MIN_GBPS: Final = 0.01
+"""Bandwidths in GB/s: 10 MB/s at least."""
+MAX_GBPS: Final = 100_000.0
+"""100 TB/s at most (NVLink 5 moves 0.9 TB/s per direction)."""
+MIN_TFLOPS: Final = 0.01
+MAX_TFLOPS: Final = 1_000_000.0
+"""An exaflop per GPU (the fastest today reach a few thousand dense TFLOPS)."""
 
 
 class Interconnect(ApiModel):
     """Bandwidths the throughput model uses for communication (defaults from the GPU product table)."""
 
-    intra_node_gbps: PositiveFloat | None = None
+    intra_node_gbps: Annotated[float, Strict(), Field(ge=MIN_GBPS, le=MAX_GBPS)] | None = None
     """GB/s per GPU between GPUs of one node (NVLink or PCIe)."""
-    inter_node_gbps: PositiveFloat = 25.0
+    inter_node_gbps: StrictFloat = Field(default=25.0, ge=MIN_GBPS, le=MAX_GBPS)
     """GB/s per node between nodes (e.g. 25 for one 200 Gb/s NIC, 400 for 8x400 Gb/s)."""
 
 
 class PeakTFLOPS(ApiModel):
     """Dense tensor-core peak of one GPU (defaults from the GPU product table)."""
 
-    bf16: PositiveFloat | None = None
+    bf16: Annotated[float, Strict(), Field(ge=MIN_TFLOPS, le=MAX_TFLOPS)] | None = None
     """bf16 TFLOPS; leave empty on GPUs without bf16."""
-    fp16: PositiveFloat | None = None
+    fp16: Annotated[float, Strict(), Field(ge=MIN_TFLOPS, le=MAX_TFLOPS)] | None = None
     """fp16 TFLOPS."""
 
 
 class GPUPoolSpec(ApiModel):
     """One pool of identical GPU nodes that FineTuneJobs may be planned onto."""
 
-    gpu_product: NonEmptyStr
+    gpu_product: Annotated[str, Strict(), Field(min_length=1, max_length=63)]
     """GPU model as in the `nvidia.com/gpu.product` node label, e.g. NVIDIA-A100-SXM4-80GB."""
-    gpu_memory_gib: PositiveFloat | None = None
+    gpu_memory_gib: Annotated[float, Strict(), Field(ge=MIN_MEMORY_GIB, le=MAX_GPU_MEMORY_GIB)] | None = None
     """Memory of one GPU in GiB (default: from the product table)."""
-    gpus_per_node: PositiveInt
-    """GPUs on each node."""
-    nodes: PositiveInt
-    """Nodes in the pool that jobs may use."""
-    cpu_memory_gib_per_node: PositiveFloat
+    gpus_per_node: StrictInt = Field(ge=1, le=MAX_GPUS_PER_NODE)
+    """GPUs on each node (1-64)."""
+    nodes: StrictInt = Field(ge=1, le=MAX_NODES)
+    """Nodes in the pool that jobs may use (1-10000)."""
+    cpu_memory_gib_per_node: StrictFloat = Field(ge=MIN_MEMORY_GIB, le=MAX_NODE_MEMORY_GIB)
     """CPU RAM per node in GiB available to training pods (offloaded states live here)."""
-    nvme_gib_per_node: float = Field(default=0.0, ge=0)
+    nvme_gib_per_node: StrictFloat = Field(default=0.0, ge=0, le=MAX_NODE_MEMORY_GIB)
     """Local NVMe space per node in GiB for ZeRO-Infinity offload (0: none)."""
-    nvme_gbps_per_node: PositiveFloat = 3.0
+    nvme_gbps_per_node: StrictFloat = Field(default=3.0, ge=MIN_GBPS, le=MAX_GBPS)
     """NVMe read/write bandwidth per node in GB/s."""
     interconnect: Interconnect = Field(default_factory=Interconnect)
     """Communication bandwidths."""
     peak_tflops: PeakTFLOPS = Field(default_factory=PeakTFLOPS)
     """Peak compute per GPU (default: from the product table)."""
-    node_selector: dict[str, str] = Field(default_factory=dict)
+    node_selector: dict[StrictStr, StrictStr] = Field(default_factory=dict)
     """Extra node labels the trainer pods select (the product label is always added)."""
     tolerations: list[Toleration] = Field(default_factory=list)
     """Tolerations for the pool's taints."""
@@ -61,11 +80,11 @@ class GPUPoolSpec(ApiModel):
     def _known_or_complete(self) -> GPUPoolSpec:
         try:
             gpu_product(self.gpu_product)
-        except KeyError as unknown:
+        except KeyError:
             if self.gpu_memory_gib is None or self.peak_tflops.fp16 is None:
                 raise ValueError(
-                    f"{unknown.args[0]}; for a product not in the table give gpuMemoryGiB and peakTFLOPS.fp16 "
-                    "(and peakTFLOPS.bf16 if it supports bf16)"
+                    f"{unknown_product(self.gpu_product)}; for a product not in the table give gpuMemoryGiB and "
+                    "peakTFLOPS.fp16 (and peakTFLOPS.bf16 if it supports bf16); `memfit presets` lists the table"
                 ) from None
         return self
 

@@ -11,7 +11,18 @@ from dataclasses import dataclass
 from pydantic import ConfigDict, Field, PositiveInt
 
 from memfit.api.base import ApiModel, to_camel
-from memfit.api.vocabulary import Attention, Offload, Optimizer, PlannedMethod, PlannedPrecision, ZeroStage
+from memfit.api.vocabulary import (
+    EIGHT_BIT_OPTIMIZERS,
+    Attention,
+    Method,
+    Offload,
+    Optimizer,
+    PlannedMethod,
+    PlannedPrecision,
+    Precision,
+    StepPhase,
+    ZeroStage,
+)
 
 API_RECORD = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", use_attribute_docstrings=True)
 """ApiModel's wire conventions for the plain dataclasses below: the planner builds thousands of them per
@@ -69,34 +80,120 @@ class Strategy:
         return " ".join(parts) + f" on {self.nodes}x{self.gpus_per_node} {self.pool}"
 
 
+_OFFLOADED = (Offload.CPU, Offload.NVME)
+
+
+def strategy_conflicts(
+    method: Method | None = None,
+    precision: Precision | None = None,
+    zero_stage: int | None = None,
+    offload_optimizer: Offload | None = None,
+    offload_parameters: Offload | None = None,
+    optimizer: Optimizer | None = None,
+) -> list[str]:
+    """Why a combination of knobs cannot run as planned: the trainer's preflight refuses it, DeepSpeed
+    refuses it, or DeepSpeed silently ignores part of it. ``None`` (and ``auto``) is a knob not decided
+    yet: only the rules whose knobs are all decided apply, so the same rules check a spec's pinned knobs
+    and each strategy the planner generates."""
+    qlora = method == Method.QLORA
+    offloads_optimizer = offload_optimizer in _OFFLOADED
+    offloads_parameters = offload_parameters in _OFFLOADED
+    conflicts = []
+    if qlora and precision in (Precision.FP16, Precision.FP32):
+        conflicts.append(
+            f"method qlora computes in bf16 (the trainer refuses it in {precision}): set training.precision "
+            "to bf16 or auto, on a GPU with bf16"
+        )
+    if qlora and zero_stage == 3:
+        conflicts.append("method qlora cannot run under ZeRO-3 (4-bit weights are not partitioned); use zeroStage 0-2")
+    if qlora and offloads_parameters:
+        conflicts.append(
+            "method qlora keeps its 4-bit base on the GPU: parameter offload needs ZeRO-3, which qlora cannot use"
+        )
+    if offloads_parameters and zero_stage is not None and zero_stage != 3:
+        conflicts.append(
+            "strategy.offloadParameters needs zeroStage 3 (only ZeRO-3 partitions parameters; DeepSpeed "
+            "ignores parameter offload under ZeRO 0-2)"
+        )
+    if offloads_optimizer and zero_stage == 0:
+        conflicts.append("strategy.offloadOptimizer needs zeroStage 1-3 (DeepSpeed ignores it without ZeRO)")
+    if offload_optimizer == Offload.NVME and (zero_stage in (1, 2) or (qlora and zero_stage is None)):
+        conflicts.append(
+            "strategy.offloadOptimizer nvme needs zeroStage 3 (ZeRO-1 and ZeRO-2 keep offloaded optimizer "
+            "states in CPU memory, whatever the device says)"
+        )
+    if offloads_optimizer and optimizer in EIGHT_BIT_OPTIMIZERS:
+        conflicts.append("8-bit optimizers run on the GPU; they cannot be combined with strategy.offloadOptimizer")
+    return conflicts
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseMemory:
+    """What one GPU holds at one moment of the training step, in bytes: `total` is the five parts."""
+
+    __pydantic_config__ = API_RECORD
+
+    parameters: int
+    """Model weights resident on the GPU."""
+    gradients: int
+    """Gradients alive at this moment (in the optimizer step, with the fp32 gradient partition it reads)."""
+    optimizer_states: int
+    """Optimizer states and fp32 master weights resident on the GPU."""
+    activations: int
+    """Memory of one micro-batch's forward and backward beyond weights, gradients and states (none is
+    left in the optimizer step)."""
+    overhead: int
+    """CUDA context, allocator fragmentation and communication buckets (the same at both moments)."""
+    total: int
+    """The five parts above."""
+
+    @classmethod
+    def of(cls, parameters: int, gradients: int, optimizer_states: int, activations: int, overhead: int) -> PhaseMemory:
+        """The breakdown with its total."""
+        total = parameters + gradients + optimizer_states + activations + overhead
+        return cls(parameters, gradients, optimizer_states, activations, overhead, total)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanPhases:
+    """The two moments of a training step; the GPU must hold the larger (`memory.binding`)."""
+
+    __pydantic_config__ = API_RECORD
+
+    forward_backward: PhaseMemory
+    """At the worst point of one micro-batch's forward and backward passes."""
+    optimizer_step: PhaseMemory
+    """During the optimizer step."""
+
+    def at(self, phase: StepPhase) -> PhaseMemory:
+        return self.forward_backward if phase == StepPhase.FORWARD_BACKWARD else self.optimizer_step
+
+
 @dataclass(frozen=True, slots=True)
 class PerGPUMemory:
-    """Predicted memory of one GPU, in bytes. `total` = parameters + gradients + optimizerStates +
-    activations + overhead; `peakAllocatedBytes` is the predicted torch.cuda.max_memory_allocated()."""
+    """Predicted memory of one GPU, in bytes, at the moment of the step that binds (`memory.binding`;
+    `memory.phases` breaks down both). `total` is what the GPU must hold: parameters + gradients +
+    optimizerStates + overhead, plus activations when the forward/backward pass binds (the optimizer step
+    runs after they are freed); `peakAllocatedBytes` is the predicted torch.cuda.max_memory_allocated()."""
 
     __pydantic_config__ = API_RECORD
 
     parameters: int
     """Model weights resident on the GPU (16-bit copies, 4-bit for QLoRA, ZeRO-3 shard plus gathered layers)."""
     gradients: int
-    """Gradients resident on the GPU."""
+    """Gradients resident on the GPU at the binding moment (in the optimizer step with the fp32 partition
+    it reads)."""
     optimizer_states: int
     """Optimizer states and fp32 master weights resident on the GPU."""
     activations: int
-    """Peak memory of one micro-batch's forward and backward that is not weights, gradients or states."""
+    """Peak memory of one micro-batch's forward and backward that is not weights, gradients or states
+    (also when the optimizer step binds: it runs after they are freed, so `total` then leaves them out)."""
     overhead: int
     """CUDA context, allocator fragmentation and communication buckets."""
     peak_allocated_bytes: int
     """Predicted torch.cuda.max_memory_allocated() of one training step on one rank."""
     total: int
-    """What the GPU must hold: the five parts above."""
-
-    @classmethod
-    def of(cls, parameters: int, gradients: int, optimizer_states: int, activations: int, overhead: int,
-           peak_allocated_bytes: int) -> PerGPUMemory:  # fmt: skip
-        """The breakdown with its total."""
-        total = parameters + gradients + optimizer_states + activations + overhead
-        return cls(parameters, gradients, optimizer_states, activations, overhead, peak_allocated_bytes, total)
+    """What the GPU must hold: the total of the binding moment (`memory.phases`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +218,12 @@ class PlanMemory:
     """Per GPU."""
     per_node: PerNodeMemory
     """Per node."""
+    phases: PlanPhases | None = None
+    """Per GPU at each moment of the step: the forward/backward pass and the optimizer step (null only in
+    plans recorded before memfit reported them)."""
+    binding: StepPhase | None = None
+    """The moment whose total is `perGPU.total`: forwardBackward or optimizerStep (the larger; null with
+    `phases`)."""
 
 
 class PlanThroughput(ApiModel):
@@ -162,10 +265,15 @@ class PlanResult(ApiModel):
     """Everything the planner found for one job."""
 
     chosen: PlanCandidate | None
-    """The fastest candidate that fits, or null when nothing fits."""
+    """The fastest candidate that fits (with `method: auto`, of the method that changes the model least
+    among those that fit: full, then lora, then qlora), or null when nothing fits."""
+    why_chosen: str | None = None
+    """Why the chosen candidate won, in one sentence (null when nothing fits)."""
     candidates: list[PlanCandidate]
-    """Candidates that fit, fastest first (the first 50; options another candidate dominates outright,
-    such as recomputation where the largest micro-batch fits without it, are not evaluated)."""
+    """Candidates that fit, in the order the planner prefers them, the chosen one first: by method (full,
+    then lora, then qlora), then fastest first. At most 50, always including the best candidate of every
+    method the spec allows that fits; options another candidate dominates outright, such as recomputation
+    where the largest micro-batch fits without it, are not evaluated."""
     feasible_count: int = 0
     """How many candidates fit in all."""
     rejected: list[RejectedCandidate]
@@ -173,4 +281,5 @@ class PlanResult(ApiModel):
     planning_seconds: float
     """How long planning took."""
     advice: list[str] = Field(default_factory=list)
-    """When nothing fits: what would make the nearest miss fit."""
+    """When nothing fits: why, and what would make the nearest miss fit (each line follows from why the
+    candidates were rejected or never tried)."""

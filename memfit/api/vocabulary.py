@@ -140,3 +140,13 @@ class TerminationReason(StrEnum):
 
     OUT_OF_MEMORY = "OutOfMemory"
     CONFIG_ERROR = "ConfigError"
+
+
+class StepPhase(StrEnum):
+    """The two moments of a training step whose memory a GPU must hold (a plan's ``memory.binding``)."""
+
+    FORWARD_BACKWARD = "forwardBackward"
+    """The forward and backward passes of one micro-batch: weights, states, gradients and activations."""
+    OPTIMIZER_STEP = "optimizerStep"
+    """The optimizer step: weights, states and gradients with the fp32 gradient partition it reads;
+    the activations are freed by then."""

@@ -187,6 +187,8 @@ GPU_ALIASES: dict[str, str] = {
 """Lower-case alias -> GFD product label."""
 
 _BY_LOWER: dict[str, str] = {label.lower(): label for label in GPU_PRODUCTS}
+SHOWN_LABEL = 80
+"""How much of an unknown label a message echoes (its repr escapes control characters)."""
 
 
 def _normalize(label: str) -> str:
@@ -204,9 +206,16 @@ def gpu_product(label: str) -> GPUProduct:
     canonical = _BY_LOWER.get(key) or GPU_ALIASES.get(key)
     if canonical is not None:
         return GPU_PRODUCTS[canonical]
+    raise KeyError(f"{unknown_product(label)}; known products: {', '.join(GPU_PRODUCTS)}")
+
+
+def unknown_product(label: str) -> str:
+    """`unknown GPU product 'X'`, with a hint for MIG and time-slicing labels; a long label is cut short."""
+    key = _normalize(label[:SHOWN_LABEL])
     hint = ""
     if "-mig-" in key:
         hint = " (a MIG slice is not a whole GPU; give its memory explicitly)"
     elif key.endswith("-shared"):
         hint = " (a time-sliced '-SHARED' label shares one GPU's memory between replicas)"
-    raise KeyError(f"unknown GPU product {label!r}{hint}; known products: {', '.join(GPU_PRODUCTS)}")
+    shown = repr(label[:SHOWN_LABEL]) + ("..." if len(label) > SHOWN_LABEL else "")
+    return f"unknown GPU product {shown}{hint}"

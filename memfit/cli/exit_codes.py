@@ -10,4 +10,8 @@ class ExitCode(IntEnum):
     NO_FIT = 1
     """The job is valid but nothing fits the GPUs it may use."""
     BAD_INPUT = 2
-    """The input is wrong: a clear one-line error says where."""
+    """The input is wrong: a clear one-line error says where (also argparse's code for a bad command line)."""
+    INTERNAL_ERROR = 3
+    """A bug in memfit: one line says what went wrong (`memfit --debug ...` prints the traceback too)."""
+    INTERRUPTED = 130
+    """Stopped with Ctrl-C (128 + SIGINT, as shells report it)."""

@@ -1,15 +1,25 @@
 """``memfit``: the command line. Subcommands import what they need lazily, so ``memfit plan`` runs with
-nothing but the core installed (no kopf, no torch)."""
+nothing but the core installed (no kopf, no torch).
+
+Exit codes (memfit.cli.exit_codes): 0 done, 1 nothing fits, 2 bad input (one line naming the file, the object
+and the field), 3 an internal error (one line; the traceback only with ``--debug``), 130 interrupted.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from memfit.api.base import escaped
 from memfit.cli.exit_codes import ExitCode
+
+DEBUG_HELP = "on an internal error, print the traceback (without it: one line)"
+INTERNAL_ERROR_LENGTH = 300
+"""Characters of an internal error's message shown."""
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -65,9 +75,13 @@ def _presets(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memfit", description="Fit LLM fine-tuning into the GPUs you have.")
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    # `--debug` after the command works too (SUPPRESS: absent there, it leaves the top-level value alone).
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    plan = commands.add_parser("plan", help="will this job fit, and how? (offline, no cluster)")
+    plan = commands.add_parser("plan", parents=[debug], help="will this job fit, and how? (offline, no cluster)")
     plan.add_argument("job", type=Path, help="YAML file with the FineTuneJob (may also hold GPUPools)")
     plan.add_argument(
         "--inventory", "-i", type=Path, action="append", default=[], help="YAML file with GPUPool objects (repeatable)"
@@ -82,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--job", dest="job_name", metavar="NAME", help="which FineTuneJob, if the file holds several")
     plan.set_defaults(handler=_plan)
 
-    run = commands.add_parser("run", help="plan for this machine and train here (--local)")
+    run = commands.add_parser("run", parents=[debug], help="plan for this machine and train here (--local)")
     run.add_argument("job", type=Path, help="YAML file with one FineTuneJob")
     run.add_argument("--local", action="store_true", help="run on this machine (its GPUs, or CPU processes)")
     run.add_argument("--nproc", type=int, metavar="N", help="ranks (default: every GPU, or 2 CPU processes)")
@@ -97,11 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dry-run", action="store_true", help="plan and render the configs, do not train")
     run.set_defaults(handler=_run)
 
-    crd = commands.add_parser("crd", help="print the CustomResourceDefinitions generated from the API models")
+    crd = commands.add_parser(
+        "crd", parents=[debug], help="print the CustomResourceDefinitions generated from the API models"
+    )
     crd.set_defaults(handler=_crd)
 
     operator = commands.add_parser(
-        "operator", help="run the Kubernetes operator (kubeconfig, or in-cluster credentials in a pod)"
+        "operator", parents=[debug], help="run the Kubernetes operator (kubeconfig, or in-cluster credentials in a pod)"
     )
     operator.add_argument("--namespace", "-n", help="serve only this namespace (default: all namespaces)")
     operator.add_argument("--trainer-image", help="image of the trainer pods (env MEMFIT_TRAINER_IMAGE)")
@@ -111,14 +127,32 @@ def build_parser() -> argparse.ArgumentParser:
     operator.add_argument("--health-port", type=int, help="/healthz port for probes (default 8081; 0 turns it off)")
     operator.set_defaults(handler=_operator)
 
-    presets = commands.add_parser("presets", help="list the built-in model presets and GPU products")
+    presets = commands.add_parser("presets", parents=[debug], help="list the built-in model presets and GPU products")
     presets.set_defaults(handler=_presets)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.handler(args))
+    try:
+        return int(args.handler(args))
+    except KeyboardInterrupt:
+        print("memfit: interrupted", file=sys.stderr)
+        return ExitCode.INTERRUPTED
+    except Exception as error:  # the last resort: a bug, reported in one line rather than a traceback
+        if args.debug:
+            traceback.print_exc()
+        print(internal_error_line(error, args.debug), file=sys.stderr)
+        return ExitCode.INTERNAL_ERROR
+
+
+def internal_error_line(error: BaseException, debug: bool = False) -> str:
+    """`memfit: internal error: KeyError: 'x'`, escaped and cut short (the message may quote the input)."""
+    text = escaped(f"{type(error).__name__}: {error}"[:INTERNAL_ERROR_LENGTH])
+    if len(text) > INTERNAL_ERROR_LENGTH:
+        text = text[: INTERNAL_ERROR_LENGTH - 3] + "..."
+    hint = "" if debug else " (run `memfit --debug ...` for the traceback)"
+    return f"memfit: internal error: {text}{hint}"
 
 
 if __name__ == "__main__":

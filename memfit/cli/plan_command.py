@@ -8,6 +8,7 @@ from pathlib import Path
 
 import yaml
 
+from memfit.api.base import escaped, shown
 from memfit.api.finetunejob import FineTuneJob
 from memfit.api.loading import InputError, load_documents
 from memfit.cli.exit_codes import ExitCode
@@ -15,19 +16,39 @@ from memfit.cli.plan_table import print_plan_table
 from memfit.planner.search import PlanningError, plan_job
 from memfit.render.deepspeed import deepspeed_config
 
+MAX_POOLS = 100
+"""GPUPools one `memfit plan` plans over: more than any cluster declares, and the planner's work grows with
+each (a pool of 10000 single-GPU nodes, with a global batch of many divisors, takes a few tenths of a second)."""
+MAX_ERROR_LENGTH = 2000
+"""An error line is cut here (the loader already bounds every value it echoes)."""
+
 
 def _select_job(jobs: list[FineTuneJob], name: str | None, source: Path) -> FineTuneJob:
     if name is not None:
         matching = [job for job in jobs if job.metadata.name == name]
         if not matching:
-            raise InputError(
-                f"{source}: no FineTuneJob named {name!r} (found: {', '.join(j.metadata.name for j in jobs)})"
-            )
+            raise InputError(f"{escaped(str(source))}: no FineTuneJob named {shown(name)} (found: {_names(jobs)})")
         return matching[0]
     if len(jobs) != 1:
-        found = ", ".join(job.metadata.name for job in jobs) or "none"
-        raise InputError(f"{source}: expected one FineTuneJob, found {len(jobs)} ({found}); pick one with --job NAME")
+        raise InputError(
+            f"{escaped(str(source))}: expected one FineTuneJob, found {len(jobs)} ({_names(jobs)}); "
+            "pick one with --job NAME"
+        )
     return jobs[0]
+
+
+def _names(jobs: list[FineTuneJob], limit: int = 5) -> str:
+    names = [shown(job.metadata.name) for job in jobs[:limit]]
+    return ", ".join(names + ([f"{len(jobs) - limit} more"] if len(jobs) > limit else [])) or "none"
+
+
+def _error(message: object) -> int:
+    """Bad input, in one line: whatever the message quotes from the input prints literally."""
+    text = escaped(str(message))
+    if len(text) > MAX_ERROR_LENGTH:
+        text = text[: MAX_ERROR_LENGTH - 3] + "..."
+    print(f"memfit plan: error: {text}", file=sys.stderr)
+    return ExitCode.BAD_INPUT
 
 
 def run_plan(
@@ -36,10 +57,15 @@ def run_plan(
     try:
         documents = load_documents(job_path, *inventory)
         job = _select_job(documents.jobs, job_name, job_path)
+        if len(documents.pools) > MAX_POOLS:
+            files = ", ".join(escaped(str(path)) for path in (job_path, *inventory))
+            raise InputError(f"{files}: {len(documents.pools)} GPUPools: memfit plan plans over at most {MAX_POOLS}")
+    except InputError as error:
+        return _error(error)
+    try:
         result = plan_job(job.spec, documents.pools)
-    except (InputError, PlanningError) as error:
-        print(f"memfit plan: error: {error}", file=sys.stderr)
-        return ExitCode.BAD_INPUT
+    except PlanningError as error:  # the request names something the inventory lacks
+        return _error(f"{job_path}: FineTuneJob {shown(job.metadata.name)}: {error}")
 
     if output == "table":
         print_plan_table(job, result)
@@ -51,6 +77,9 @@ def run_plan(
 
     if ds_config_path is not None and result.chosen is not None:
         config = deepspeed_config(job.spec, result.chosen.strategy)
-        ds_config_path.write_text(json.dumps(config, indent=2) + "\n")
-        print(f"DeepSpeed config written to {ds_config_path}", file=sys.stderr)
+        try:
+            ds_config_path.write_text(json.dumps(config, indent=2) + "\n")
+        except OSError as error:
+            return _error(f"{ds_config_path}: cannot write: {error.strerror or error}")
+        print(f"DeepSpeed config written to {escaped(str(ds_config_path))}", file=sys.stderr)
     return ExitCode.OK if result.chosen is not None else ExitCode.NO_FIT

@@ -1,17 +1,35 @@
-"""The human view of a plan: the chosen strategy, its memory against the GPU, and who came next."""
+"""The human view of a plan: the chosen strategy, its memory against the GPU, and who came next.
+
+Text from the user (job, model and pool names, and the reasons and advice that quote them) is printed
+literally: never read as rich markup or emoji codes, and with control characters shown as escapes
+instead of reaching the terminal.
+"""
 
 from __future__ import annotations
 
+import re
+
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from memfit.api.finetunejob import FineTuneJob
-from memfit.api.plan import PlanCandidate, PlanResult
-from memfit.api.vocabulary import Offload
+from memfit.api.plan import PerGPUMemory, PhaseMemory, PlanCandidate, PlanResult
+from memfit.api.vocabulary import Offload, StepPhase
 
 GIB = 1024**3
 RUNNERS_UP = 5
 BAR_WIDTH = 30
+MOMENTS = {StepPhase.FORWARD_BACKWARD: "forward/backward pass", StepPhase.OPTIMIZER_STEP: "optimizer step"}
+
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
+"""C0 and C1 controls (ESC, CSI, BEL, newlines...) and the invisible format characters that reorder or
+hide text (bidirectional overrides, zero-width characters)."""
+
+
+def literal(text: str, style: str = "") -> Text:
+    """``text`` exactly as given, each control character replaced by its escape (``\\x1b``)."""
+    return Text(_CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text), style=style)
 
 
 def _gib(value: float) -> str:
@@ -22,11 +40,22 @@ def _params(count: int) -> str:
     return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
 
 
+def _versus(tokens_per_second: float, reference: float) -> str:
+    """A speed against ``reference`` in words: "12% slower", "35% faster", "2.1x faster", "as fast"."""
+    ratio = tokens_per_second / reference
+    if ratio >= 2:
+        return f"{ratio:.1f}x faster"
+    if ratio >= 1.005:
+        return f"{ratio - 1:.0%} faster"
+    return f"{1 - ratio:.0%} slower" if ratio <= 0.995 else "as fast"
+
+
 def why_lost(candidate: PlanCandidate, chosen: PlanCandidate) -> str:
     """One phrase: what makes ``candidate`` worse than ``chosen``."""
+    speed = _versus(candidate.throughput.tokens_per_second, chosen.throughput.tokens_per_second)
     if candidate.strategy.method != chosen.strategy.method:
-        return f"{candidate.strategy.method} changes the model more than {chosen.strategy.method}"
-    slower = 1 - candidate.throughput.tokens_per_second / chosen.throughput.tokens_per_second
+        return (f"{candidate.strategy.method} changes the model more than {chosen.strategy.method}, "
+                f"which auto prefers ({speed})")  # fmt: skip
     differences = []
     a, b = candidate.strategy, chosen.strategy
     if a.gpus < b.gpus:
@@ -42,7 +71,20 @@ def why_lost(candidate: PlanCandidate, chosen: PlanCandidate) -> str:
     if a.micro_batch_size < b.micro_batch_size:
         differences.append(f"micro-batch {a.micro_batch_size}")
     detail = ", ".join(differences) or "more communication"
-    return f"{slower:.0%} slower ({detail})" if slower > 0.005 else f"as fast ({detail})"
+    return f"{speed} ({detail})"
+
+
+def runners_up(result: PlanResult, limit: int = RUNNERS_UP) -> list[PlanCandidate]:
+    """The candidates after the chosen one, the best of every other method among them."""
+    others = result.candidates[1:]
+    methods = {result.candidates[0].strategy.method} if result.candidates else set()
+    picked: list[int] = []
+    for index, candidate in enumerate(others):
+        if candidate.strategy.method not in methods:
+            methods.add(candidate.strategy.method)
+            picked.append(index)
+    rest = [index for index in range(len(others)) if index not in picked]
+    return [others[index] for index in sorted(picked + rest[: max(0, limit - len(picked))])]
 
 
 def print_plan_table(job: FineTuneJob, result: PlanResult, console: Console | None = None) -> None:
@@ -50,61 +92,93 @@ def print_plan_table(job: FineTuneJob, result: PlanResult, console: Console | No
     spec = job.spec
     shape, training = spec.model.architecture.shape(), spec.training
     console.print(
-        f"[bold]{job.metadata.name}[/]: {spec.model.name} ({_params(shape.parameter_count)} parameters), "
-        f"method {spec.method.value}, {training.global_batch_size} x {training.sequence_length} tokens per step"
+        Text.assemble(
+            literal(job.metadata.name, "bold"),
+            ": ",
+            literal(spec.model.name),
+            f" ({_params(shape.parameter_count)} parameters), method {spec.method.value}, "
+            f"{training.global_batch_size} x {training.sequence_length} tokens per step",
+        )  # fmt: skip
     )
     chosen = result.chosen
     if chosen is None:
         _print_no_fit(result, console)
         return
-    s, memory = chosen.strategy, chosen.memory
+    s = chosen.strategy
     console.print(
-        f"[bold green]Fits[/]: {s.summary()}  ({s.gpus} GPU{'s' if s.gpus > 1 else ''}, "
-        f"{_params(chosen.trainable_parameter_count)} trainable)"
+        Text.assemble(
+            ("Fits", "bold green"),
+            ": ",
+            literal(s.summary()),
+            f"  ({s.gpus} GPU{'s' if s.gpus > 1 else ''}, {_params(chosen.trainable_parameter_count)} trainable)",
+        )  # fmt: skip
     )
+    if result.why_chosen:
+        console.print(Text.assemble("Why: ", literal(result.why_chosen)))
     console.print(
         f"Throughput (estimate): {chosen.throughput.tokens_per_second:,.0f} tokens/s, "
         f"{chosen.throughput.step_seconds:.2f} s per step"
     )
-    capacity = chosen.gpu_memory_bytes
-    usable = capacity * (1 - spec.resources.memory_headroom_percent / 100)
-    table = Table(title=f"Memory per GPU (estimate) against {_gib(capacity)} GiB", title_justify="left")
-    table.add_column("part")
-    table.add_column("GiB", justify="right")
-    table.add_column("share", justify="right")
-    table.add_column("")
-    per_gpu = memory.per_gpu
-    parts = [
-        ("parameters", per_gpu.parameters),
-        ("gradients", per_gpu.gradients),
-        ("optimizer states", per_gpu.optimizer_states),
-        ("activations", per_gpu.activations),
-        ("overhead", per_gpu.overhead),
-    ]
-    for name, value in parts:
-        bar = "#" * round(BAR_WIDTH * value / capacity)
-        table.add_row(name, _gib(value), f"{value / capacity:.0%}", bar)
-    table.add_section()
-    table.add_row("[bold]total[/]", f"[bold]{_gib(per_gpu.total)}[/]", f"{per_gpu.total / capacity:.0%}",
-                  f"limit {_gib(usable)} GiB ({spec.resources.memory_headroom_percent:g}% headroom)")  # fmt: skip
-    table.add_row("peak allocated", _gib(per_gpu.peak_allocated_bytes), "", "torch.cuda.max_memory_allocated()")
-    console.print(table)
+    console.print(_memory_table(chosen, spec.resources.memory_headroom_percent))
+    memory = chosen.memory
     console.print(f"Per node: CPU {_gib(memory.per_node.cpu)} GiB, NVMe {_gib(memory.per_node.nvme)} GiB")
 
-    runners_up = [c for c in result.candidates if c is not chosen][:RUNNERS_UP]
-    if runners_up:
-        others = Table(title="Runner-up candidates", title_justify="left")
+    others = runners_up(result)
+    if others:
+        table = Table(title="Runner-up candidates", title_justify="left")
         for column in ("strategy", "GiB/GPU", "tokens/s (est.)", "why it lost"):
-            others.add_column(column, justify="right" if "/" in column else "left")
-        for candidate in runners_up:
-            others.add_row(candidate.strategy.summary(), _gib(candidate.memory.per_gpu.total),
-                           f"{candidate.throughput.tokens_per_second:,.0f}", why_lost(candidate, chosen))  # fmt: skip
-        console.print(others)
+            table.add_column(column, justify="right" if "/" in column else "left")
+        for candidate in others:
+            speed = f"{candidate.throughput.tokens_per_second:,.0f}"
+            table.add_row(literal(candidate.strategy.summary()), _gib(candidate.memory.per_gpu.total), speed,
+                          literal(why_lost(candidate, chosen)))  # fmt: skip
+        console.print(table)
     _print_rejected(result, console)
     console.print(
         f"{result.feasible_count} candidates fit, {len(result.rejected)} nearest misses; "
         f"planned in {result.planning_seconds * 1000:.1f} ms"
     )
+
+
+def _memory_table(chosen: PlanCandidate, headroom_percent: float) -> Table:
+    """The binding moment of the step part by part, then the other moment's total."""
+    capacity, memory = chosen.gpu_memory_bytes, chosen.memory
+    per_gpu, phases, binding = memory.per_gpu, memory.phases, memory.binding
+    title = f"Memory per GPU (estimate) against {_gib(capacity)} GiB"
+    if phases is not None and binding is not None:
+        title += f" at its peak, the {MOMENTS[binding]}"
+    table = Table(title=title, title_justify="left")
+    table.add_column("part")
+    table.add_column("GiB", justify="right")
+    table.add_column("share", justify="right")
+    table.add_column("")
+    bound: PhaseMemory | PerGPUMemory = per_gpu  # plans recorded before the phases were: the per-GPU summary
+    if phases is not None and binding is not None:
+        bound = phases.at(binding)
+    parts = [
+        ("parameters", bound.parameters),
+        ("gradients", bound.gradients),
+        ("optimizer states", bound.optimizer_states),
+        ("activations", bound.activations),
+        ("overhead", bound.overhead),
+    ]
+    for name, value in parts:
+        bar = "#" * round(BAR_WIDTH * value / capacity)
+        table.add_row(name, _gib(value), f"{value / capacity:.0%}", bar)
+    table.add_section()
+    usable = capacity * (1 - headroom_percent / 100)
+    limit = f"limit {_gib(usable)} GiB ({headroom_percent:g}% headroom)"
+    table.add_row(Text("total", style="bold"), Text(_gib(per_gpu.total), style="bold"),
+                  f"{per_gpu.total / capacity:.0%}", limit)  # fmt: skip
+    if phases is not None and binding is not None:
+        other = next(phase for phase in MOMENTS if phase != binding)
+        other_total = phases.at(other).total
+        note = "does not bind"
+        if other == StepPhase.FORWARD_BACKWARD:
+            note += f" (activations {_gib(phases.forward_backward.activations)} GiB)"
+        table.add_row(f"{MOMENTS[other]} total", _gib(other_total), f"{other_total / capacity:.0%}", note)
+    table.add_row("peak allocated", _gib(per_gpu.peak_allocated_bytes), "", "torch.cuda.max_memory_allocated()")
+    return table
 
 
 def _print_rejected(result: PlanResult, console: Console, limit: int = 3) -> None:
@@ -114,12 +188,12 @@ def _print_rejected(result: PlanResult, console: Console, limit: int = 3) -> Non
     table.add_column("strategy")
     table.add_column("why it does not fit")
     for rejected in result.rejected[:limit]:
-        table.add_row(rejected.strategy.summary(), rejected.reason)
+        table.add_row(literal(rejected.strategy.summary()), literal(rejected.reason))
     console.print(table)
 
 
 def _print_no_fit(result: PlanResult, console: Console) -> None:
-    console.print("[bold red]Nothing fits.[/]")
+    console.print(Text("Nothing fits.", style="bold red"))
     for line in result.advice:
-        console.print(f"  - {line}")
+        console.print(Text.assemble("  - ", literal(line)))
     _print_rejected(result, console, limit=5)

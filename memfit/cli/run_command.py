@@ -1,23 +1,59 @@
 """``memfit run JOB.yaml --local``: plan for this machine, render the trainer's config as the operator
-would, and run the trainer under torchrun."""
+would, and run the trainer under torchrun.
+
+Each PersistentVolumeClaim the job names stands for a directory: the one ``--mount CLAIM=DIR`` gives, else
+the directory of that name beside the job file. As in a pod, every path stays inside its claim's directory,
+symlinks resolved: a claim name must be a Kubernetes name (no ``/``, no ``..``), a claim directory beside the
+job file must not lead out of the job's directory, and the output directory, the data and the work
+directory must not lead out of their claim's directory. The trainer config is written to a new file that
+then replaces ``trainer-config.json`` (a symlink planted there is replaced, never followed).
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from memfit.api.finetunejob import FineTuneJob
-from memfit.api.loading import InputError, load_documents
+from memfit.api.loading import InputError, describe_validation_error, load_documents
 from memfit.cli.exit_codes import ExitCode
 from memfit.cli.local_machine import inspect_machine, local_pool
-from memfit.contract.trainer_config import MetricsConfig
+from memfit.contract.trainer_config import MetricsConfig, TrainerConfig
 from memfit.planner.search import PlanningError, plan_job
 from memfit.render.trainer_config import Mounts, inside, render_trainer_config
 
 DEFAULT_CPU_RANKS = 2
+CLAIM_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+"""A PersistentVolumeClaim's name: an RFC 1123 subdomain (at most 253 characters)."""
+CONFIG_FILE = "trainer-config.json"
+TRAINER_WRITES = ("termination-log",)
+"""Files of the work directory the trainer opens for writing in place (progress.json is replaced by rename)."""
+
+
+def _claim_name(claim: object, where: str) -> str:
+    if not isinstance(claim, str) or len(claim) > 253 or not CLAIM_NAME.fullmatch(claim):
+        raise InputError(f"{where}: {claim!r} is not a PersistentVolumeClaim name (lower-case letters, digits, "
+                         "'-' and '.', as Kubernetes names them)")  # fmt: skip
+    return claim
+
+
+def _within(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def contained(path: Path, root: Path, what: str) -> Path:
+    """``path`` with its symlinks resolved, which must stay inside ``root`` (resolved too)."""
+    resolved, resolved_root = path.resolve(), root.resolve()
+    if not _within(resolved, resolved_root):
+        raise InputError(f"{what} {path} leads to {resolved}, outside {resolved_root}")
+    return resolved
 
 
 def parse_mounts(job_file: Path, values: list[str]) -> dict[str, Path]:
@@ -28,25 +64,70 @@ def parse_mounts(job_file: Path, values: list[str]) -> dict[str, Path]:
         name, separator, directory = value.partition("=")
         if not separator or not name or not directory:
             raise InputError(f"--mount {value!r}: expected CLAIM=DIRECTORY")
-        mounts[name] = Path(directory).resolve()
+        mounts[_claim_name(name, f"--mount {value!r}")] = Path(directory).resolve()
     return mounts
 
 
-def _claim_dir(job_file: Path, mounts: dict[str, Path], claim: str | None) -> str | None:
+def _claim_dir(job_file: Path, mounts: dict[str, Path], claim: str | None, field: str) -> str | None:
     if claim is None:
         return None
-    return str(mounts.get(claim, job_file.parent.resolve() / claim))
+    if claim in mounts:
+        return str(mounts[claim])
+    job_dir = job_file.parent.resolve()
+    beside = job_dir / _claim_name(claim, field)
+    return str(contained(beside, job_dir, f"{field} {claim!r}: the claim's directory"))
 
 
 def local_mounts(job: FineTuneJob, job_file: Path, mounts: dict[str, Path]) -> Mounts:
     spec = job.spec
     model_claim = spec.model.source.pvc if spec.model.source else None
-    data = _claim_dir(job_file, mounts, spec.dataset.source.pvc)
+    data = _claim_dir(job_file, mounts, spec.dataset.source.pvc, "dataset.source.pvc")
     if data is None:
         raise InputError("--local needs the dataset on a volume (dataset.source.pvc): Hub datasets are not fetched")
-    output = _claim_dir(job_file, mounts, spec.output.pvc)
-    assert output is not None
-    return Mounts(model=_claim_dir(job_file, mounts, model_claim), data=data, output=output)
+    output = _claim_dir(job_file, mounts, spec.output.pvc, "output.pvc")
+    if output is None:
+        raise InputError("output.pvc: required")
+    return Mounts(model=_claim_dir(job_file, mounts, model_claim, "model.source.pvc"), data=data, output=output)
+
+
+def _check_paths(config: TrainerConfig, mounts: Mounts) -> None:
+    """What the trainer will read and write stays inside its claim's directory, symlinks resolved."""
+    contained(Path(config.output_dir), Path(mounts.output), "output.path: the output directory")
+    contained(Path(config.data.path), Path(mounts.data), "dataset.source.path: the data")
+    if config.volumes is not None and config.volumes.model is not None:
+        contained(Path(config.model.name_or_path), Path(config.volumes.model), "model.source.path: the model")
+
+
+def _work_directory(workdir: Path | None, output_dir: Path) -> Path:
+    """The given ``--workdir`` (the user's choice), else ``OUTPUT/.memfit``, which must stay in the output."""
+    if workdir is not None:
+        workdir = workdir.resolve()
+        workdir.mkdir(parents=True, exist_ok=True)
+        return workdir
+    default = output_dir / ".memfit"
+    contained(default, output_dir, "the work directory")
+    default.mkdir(parents=True, exist_ok=True)
+    return contained(default, output_dir, "the work directory")
+
+
+def write_config_file(directory: Path, text: str) -> Path:
+    """``directory/trainer-config.json`` replaced by a new file in one rename: whatever was there (a symlink
+    to another file included) is replaced, never written through."""
+    target = directory / CONFIG_FILE
+    fd, temp = tempfile.mkstemp(dir=directory, prefix=f".{CONFIG_FILE}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o644)  # as a plain write would leave it (mkstemp makes it private)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(temp, target)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
+    for name in TRAINER_WRITES:  # the trainer would write through a symlink planted here: remove the link
+        planted = directory / name
+        if planted.is_symlink():
+            planted.unlink()
+    return target
 
 
 def _single_job(path: Path, name: str | None) -> FineTuneJob:
@@ -64,6 +145,9 @@ def run_local(job_file: Path, ranks: int | None, mount_args: list[str], workdir:
     try:
         job = _single_job(job_file, None)
         mounts = local_mounts(job, job_file, parse_mounts(job_file, mount_args))
+        output_dir = contained(
+            Path(inside(mounts.output, job.spec.output.path)), Path(mounts.output), "output.path: the output directory"
+        )
         spec = job.spec.model_copy(
             update={"resources": job.spec.resources.model_copy(update={"pool": "local", "max_gpus": ranks})}
         )
@@ -82,15 +166,24 @@ def run_local(job_file: Path, ranks: int | None, mount_args: list[str], workdir:
               "(globalBatchSize must be divisible by the rank count)", file=sys.stderr)  # fmt: skip
         ranks = result.chosen.strategy.gpus
 
-    workdir = (workdir or Path(inside(mounts.output, job.spec.output.path)) / ".memfit").resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
-    config = render_trainer_config(
-        job, result.chosen, mounts=mounts,
-        metrics=MetricsConfig(port=0, progress_file=str(workdir / "progress.json")),
-        termination_log=str(workdir / "termination-log"),
-    )  # fmt: skip
-    config_path = workdir / "trainer-config.json"
-    config_path.write_text(config.to_json())
+    try:
+        workdir = _work_directory(workdir, output_dir)
+        config = render_trainer_config(
+            job, result.chosen, mounts=mounts,
+            metrics=MetricsConfig(port=0, progress_file=str(workdir / "progress.json")),
+            termination_log=str(workdir / "termination-log"),
+        )  # fmt: skip
+        _check_paths(config, mounts)
+        config_path = write_config_file(workdir, config.to_json())
+    except ValidationError as error:  # a job object that bypassed the API's validation
+        print(f"memfit run: error: the trainer config: {describe_validation_error(error)}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
+    except (InputError, ValueError) as error:
+        print(f"memfit run: error: {error}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
+    except OSError as error:
+        print(f"memfit run: error: cannot write the trainer config: {error}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
     device = "GPU(s)" if machine.has_gpus else "CPU process(es)"
     print(f"memfit run: {result.chosen.strategy.summary()} ({ranks} {device})")
     print(f"memfit run: trainer config {config_path}")

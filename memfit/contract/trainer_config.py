@@ -4,39 +4,212 @@
 The trainer owns it (this module imports only pydantic and memfit's core, never torch, so the operator
 can render it). Everything the trainer does is decided here; the environment adds only what Kubernetes
 or torchrun know (rank, world size, master address, the Hub token's variable).
+
+What the trainer reads is checked whole before any work (:func:`load_config`): strict JSON types (a string
+is never a number, a float never an integer, a boolean neither), finite numbers within documented bounds,
+absolute paths that do not climb (``..``) and stay inside the job's volumes where the config names them
+(``volumes``), and a ``deepspeed`` section of the keys memfit renders that agrees with ``training``. A config
+that breaks any of this is one :class:`ConfigError` line, never a traceback: the trainer exits 2 and the
+operator fails the job instead of restarting it.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
-from typing import Any, Final, Literal
+import math
+import re
+from pathlib import Path, PurePosixPath
+from typing import Annotated, Any, Final, Literal
 
-from pydantic import Field, PositiveInt, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from memfit.api.base import ApiModel
 from memfit.api.loading import describe_validation_error
-from memfit.api.vocabulary import Attention, DatasetFormat, Optimizer, PlannedMethod, PlannedPrecision
+from memfit.api.vocabulary import (
+    EIGHT_BIT_OPTIMIZERS,
+    Attention,
+    DatasetFormat,
+    Method,
+    Offload,
+    Optimizer,
+    PlannedMethod,
+    PlannedPrecision,
+    Precision,
+)
 from memfit.contract.layout import CheckpointLayout
 from memfit.model_shape import ModelShape
 
 CONFIG_VERSION: Final = 1
 
+# Reading the file: a trainer config is a few kilobytes of shallow JSON (a ConfigMap holds at most 1 MiB).
+MAX_CONFIG_BYTES: Final = 1024 * 1024
+MAX_CONFIG_DEPTH: Final = 16
+"""Nesting of JSON objects and arrays (the deepest rendered key, deepspeed.zero_optimization.offload_param.
+device, is at depth 4)."""
+
+# Bounds: each at least the FineTuneJob API's own (memfit.api), so every config the renderer makes is
+# valid, and small enough that the trainer's arithmetic stays finite and its loops bounded.
+MAX_SEQUENCE_LENGTH: Final = 4 * 1024 * 1024
+MAX_BATCH: Final = 1024 * 1024
+"""Micro-batch size and gradient accumulation steps."""
+MAX_GLOBAL_BATCH: Final = 16 * 1024 * 1024
+MAX_STEPS: Final = 1_000_000_000
+"""Epochs, optimizer steps, checkpoint interval."""
+MAX_KEEP_CHECKPOINTS: Final = 10_000
+MAX_SEED: Final = 2**32 - 1
+MAX_LEARNING_RATE: Final = 10.0
+MAX_WEIGHT_DECAY: Final = 100.0
+MAX_GRAD_NORM: Final = 1e9
+MAX_LORA_RANK: Final = 65_536
+MAX_LORA_ALPHA: Final = 1e6
+MAX_BYTES: Final = 2**63 - 1
+MAX_PATH_LENGTH: Final = 4096
+MAX_NAME_LENGTH: Final = 1024
+MAX_BUCKET_ELEMENTS: Final = 2**40
+ARCHITECTURE_BOUNDS: Final = {
+    "hidden_size": 2**20,
+    "intermediate_size": 2**23,
+    "num_layers": 2**13,
+    "num_attention_heads": 2**13,
+    "num_key_value_heads": 2**13,
+    "vocab_size": 2**25,
+    "head_dim": 2**15,
+    "num_experts": 2**15,
+    "experts_per_token": 2**15,
+}
+"""The largest value of each size of ``model.architecture`` (all sizes are at least 1)."""
+
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+LORA_TARGET = r"^[A-Za-z0-9_.\-]+$"
+JOB_NAME = r"^[^/\s]+/[^/\s]+$"
+"""namespace/name (labels metrics and logs)."""
+
 
 class ConfigError(ValueError):
-    """The config cannot be honoured; raised at start, before any GPU work."""
+    """The config cannot be honoured; raised at start, before any GPU work.
+
+    ``termination_log`` is where the config asked for the termination message when the config as a whole
+    could not be read (None: the default path)."""
+
+    def __init__(self, message: str, termination_log: str | None = None) -> None:
+        super().__init__(message)
+        self.termination_log = termination_log
+
+
+# --- paths ---------------------------------------------------------------------------------------------
+
+
+def _printable(text: str) -> str:
+    if not text.isprintable():
+        raise ValueError("control characters (NUL, newline, ...) are not allowed")
+    return text
+
+
+def _absolute_path(path: str) -> str:
+    """An absolute POSIX path that does not climb: the trainer runs wherever its pod starts it, so a
+    relative path would depend on the working directory, and ``..`` could leave the job's volume."""
+    _printable(path)
+    parts = PurePosixPath(path).parts
+    if not path.startswith("/"):
+        raise ValueError(f"{path!r} is not an absolute path")
+    if ".." in parts:
+        raise ValueError(f"{path!r} contains `..`: paths must not climb out of their volume")
+    return path
+
+
+AbsolutePath = Annotated[str, Strict(), Field(min_length=1, max_length=MAX_PATH_LENGTH), AfterValidator(_absolute_path)]
+"""An absolute path without ``..`` or control characters."""
+Name = Annotated[str, Strict(), Field(min_length=1, max_length=MAX_NAME_LENGTH), AfterValidator(_printable)]
+"""A non-empty, printable, bounded string (a field name, a revision, a label)."""
+
+
+def within(path: str, root: str) -> bool:
+    """Whether ``path`` is ``root`` or below it, lexically (both absolute, without ``..``)."""
+    candidate, base = PurePosixPath(path), PurePosixPath(root)
+    return candidate == base or base in candidate.parents
+
+
+def _model_name(name: str) -> str:
+    """A Hub id (``org/name``) or an absolute local directory; never a relative path that climbs."""
+    _printable(name)
+    if name.startswith("/"):
+        return _absolute_path(name)
+    if ".." in PurePosixPath(name).parts or name.startswith("~"):
+        raise ValueError(f"{name!r} is neither a Hub id nor an absolute directory")
+    return name
+
+
+# --- sections ------------------------------------------------------------------------------------------
+
+
+def _shape(value: Any, handler: ValidatorFunctionWrapHandler) -> ModelShape:
+    """ModelShape computes head_dim in its constructor: a zero head count must be an error, not a
+    ZeroDivisionError out of the validator; without a headDim the heads must divide the width."""
+    try:
+        shape: ModelShape = handler(value)
+    except ArithmeticError as error:
+        raise ValueError(f"impossible sizes ({error})") from None
+    head_dim_given = not isinstance(value, dict) or value.get("headDim", value.get("head_dim")) is not None
+    if not head_dim_given and shape.hidden_size % shape.num_attention_heads:
+        raise ValueError(
+            f"hiddenSize ({shape.hidden_size}) is not divisible by numAttentionHeads ({shape.num_attention_heads}); "
+            "set headDim"
+        )
+    return shape
 
 
 class ModelConfig(ApiModel):
-    name_or_path: str
+    name_or_path: Annotated[str, Strict(), Field(min_length=1, max_length=MAX_PATH_LENGTH), AfterValidator(_model_name)]
     """Hub id or local directory given to from_pretrained."""
-    random_init: bool = False
+    random_init: Annotated[bool, Strict()] = False
     """Build the architecture with random weights instead of loading (smoke tests, examples)."""
     architecture: ModelShape | None = None
     """The model's shape (memfit.model_shape.ModelShape); required with randomInit."""
-    revision: str | None = None
-    token_env: str = "HF_TOKEN"
+    revision: Name | None = None
+    token_env: Annotated[str, Strict(), Field(min_length=1, max_length=256)] = "HF_TOKEN"
     """Environment variable holding the Hub token (the token itself never appears in the config)."""
+
+    @field_validator("architecture", mode="wrap")
+    @classmethod
+    def _constructible(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> ModelShape | None:
+        if value is None:
+            return None
+        return _shape(value, handler)
+
+    @field_validator("architecture")
+    @classmethod
+    def _sizes(cls, shape: ModelShape | None) -> ModelShape | None:
+        if shape is None:
+            return None
+        for name, largest in ARCHITECTURE_BOUNDS.items():
+            size = getattr(shape, name)
+            if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= largest:
+                raise ValueError(f"{name} must be an integer from 1 to {largest}, got {size!r}")
+        if shape.num_attention_heads % shape.num_key_value_heads:
+            raise ValueError(
+                f"numAttentionHeads ({shape.num_attention_heads}) must be a multiple of numKeyValueHeads "
+                f"({shape.num_key_value_heads})"
+            )
+        if shape.experts_per_token > shape.num_experts:
+            raise ValueError("expertsPerToken cannot exceed numExperts")
+        return shape
+
+    @field_validator("token_env")
+    @classmethod
+    def _env_name(cls, name: str) -> str:
+        if not ENV_NAME.fullmatch(name):
+            raise ValueError(f"{name!r} is not an environment variable name")
+        return name
 
     @model_validator(mode="after")
     def _architecture_for_random_init(self) -> ModelConfig:
@@ -46,95 +219,332 @@ class ModelConfig(ApiModel):
 
 
 class DataConfig(ApiModel):
-    path: str
+    path: AbsolutePath
     """A file or a directory of jsonl, parquet or arrow files."""
     format: DatasetFormat | None = None
-    text_field: str | None = None
-    messages_field: str | None = None
-    streaming: bool = False
+    text_field: Name | None = None
+    messages_field: Name | None = None
+    streaming: Annotated[bool, Strict()] = False
 
 
 class LoraConfig(ApiModel):
-    rank: PositiveInt = 16
-    alpha: float = 32.0
-    dropout: float = Field(default=0.05, ge=0, lt=1)
-    target_modules: list[str] = Field(default_factory=lambda: ["all-linear"])
+    rank: Annotated[int, Strict(), Field(ge=1, le=MAX_LORA_RANK)] = 16
+    alpha: Annotated[float, Strict(), Field(gt=0, le=MAX_LORA_ALPHA, allow_inf_nan=False)] = 32.0
+    dropout: Annotated[float, Strict(), Field(ge=0, lt=1, allow_inf_nan=False)] = 0.05
+    target_modules: Annotated[
+        list[Annotated[str, Strict(), Field(min_length=1, max_length=256, pattern=LORA_TARGET)]],
+        Field(min_length=1, max_length=256),
+    ] = Field(default_factory=lambda: ["all-linear"])
+
+    @field_validator("target_modules")
+    @classmethod
+    def _all_linear_alone(cls, targets: list[str]) -> list[str]:
+        if "all-linear" in targets and len(targets) > 1:
+            raise ValueError("`all-linear` stands for every linear module: list it alone")
+        return targets
 
 
 class TrainingConfig(ApiModel):
     method: PlannedMethod
-    sequence_length: PositiveInt
-    micro_batch_size: PositiveInt
-    gradient_accumulation_steps: PositiveInt
-    global_batch_size: PositiveInt
-    epochs: PositiveInt | None = None
-    max_steps: PositiveInt | None = None
-    learning_rate: float = Field(gt=0)
-    warmup_ratio: float = Field(default=0.03, ge=0, lt=1)
-    weight_decay: float = Field(default=0.0, ge=0)
-    max_grad_norm: float = Field(default=1.0, gt=0)
+    sequence_length: Annotated[int, Strict(), Field(ge=1, le=MAX_SEQUENCE_LENGTH)]
+    micro_batch_size: Annotated[int, Strict(), Field(ge=1, le=MAX_BATCH)]
+    gradient_accumulation_steps: Annotated[int, Strict(), Field(ge=1, le=MAX_BATCH)]
+    global_batch_size: Annotated[int, Strict(), Field(ge=1, le=MAX_GLOBAL_BATCH)]
+    epochs: Annotated[int, Strict(), Field(ge=1, le=MAX_STEPS)] | None = None
+    max_steps: Annotated[int, Strict(), Field(ge=1, le=MAX_STEPS)] | None = None
+    learning_rate: Annotated[float, Strict(), Field(gt=0, le=MAX_LEARNING_RATE, allow_inf_nan=False)]
+    warmup_ratio: Annotated[float, Strict(), Field(ge=0, lt=1, allow_inf_nan=False)] = 0.03
+    weight_decay: Annotated[float, Strict(), Field(ge=0, le=MAX_WEIGHT_DECAY, allow_inf_nan=False)] = 0.0
+    max_grad_norm: Annotated[float, Strict(), Field(gt=0, le=MAX_GRAD_NORM, allow_inf_nan=False)] = 1.0
     optimizer: Optimizer = Optimizer.ADAMW
     precision: PlannedPrecision
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: Annotated[bool, Strict()] = False
     attention: Attention = Attention.SDPA
-    seed: int = 42
-    checkpoint_every_steps: PositiveInt = 500
-    keep_checkpoints: PositiveInt = 2
+    seed: Annotated[int, Strict(), Field(ge=0, le=MAX_SEED)] = 42
+    checkpoint_every_steps: Annotated[int, Strict(), Field(ge=1, le=MAX_STEPS)] = 500
+    keep_checkpoints: Annotated[int, Strict(), Field(ge=1, le=MAX_KEEP_CHECKPOINTS)] = 2
     lora: LoraConfig = Field(default_factory=LoraConfig)
 
     @model_validator(mode="after")
     def _length(self) -> TrainingConfig:
-        if self.epochs is None and self.max_steps is None:
-            raise ValueError("training needs epochs or maxSteps")
+        if (self.epochs is None) == (self.max_steps is None):
+            raise ValueError("training needs exactly one of epochs and maxSteps")
         return self
+
+
+NonNegativeBytes = Annotated[int, Strict(), Field(ge=0, le=MAX_BYTES)]
 
 
 class PredictionConfig(ApiModel):
     """What the plan predicted, exported beside the measurements (all estimates)."""
 
-    strategy: str
-    peak_allocated_bytes: int
-    total_bytes: int
-    gpu_memory_bytes: int
-    tokens_per_second: float
-    peak_flops: float | None = None
+    strategy: Name
+    peak_allocated_bytes: NonNegativeBytes
+    total_bytes: NonNegativeBytes
+    gpu_memory_bytes: Annotated[int, Strict(), Field(ge=1, le=MAX_BYTES)]
+    tokens_per_second: Annotated[float, Strict(), Field(ge=0, le=1e18, allow_inf_nan=False)]
+    peak_flops: Annotated[float, Strict(), Field(gt=0, le=1e21, allow_inf_nan=False)] | None = None
     """Dense peak FLOP/s of one GPU in the planned precision (for MFU); None where unknown."""
 
 
 class MetricsConfig(ApiModel):
-    port: int = Field(default=9400, ge=0, le=65535)
+    port: Annotated[int, Strict(), Field(ge=0, le=65535)] = 9400
     """Rank r serves /metrics on port + local rank (0: pick a free port, for tests)."""
-    progress_file: str | None = None
+    progress_file: AbsolutePath | None = None
     """Rank 0 writes its progress here as JSON after every step (the operator reads it)."""
+
+
+class VolumesConfig(ApiModel):
+    """Where the job's volumes are (mounted in the pod, or the local directories standing in for them): the
+    roots its paths stay inside. The trainer refuses, before any work, a data path, output directory or
+    model directory outside its volume, symlinks resolved."""
+
+    model: AbsolutePath | None = None
+    """The model volume (only when the weights come from one)."""
+    data: AbsolutePath | None = None
+    output: AbsolutePath | None = None
+
+
+# --- the DeepSpeed section -----------------------------------------------------------------------------
+
+
+class _DeepSpeedPart(BaseModel):
+    """DeepSpeed's own snake_case keys; only those memfit renders (DeepSpeed ignores a misspelt key
+    silently, so an unknown one is an error here)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+DsInt = Annotated[int, Strict(), Field(ge=1, le=MAX_BUCKET_ELEMENTS)]
+DsBool = Annotated[bool, Strict()]
+
+
+class DeepSpeedOffload(_DeepSpeedPart):
+    device: Offload
+    pin_memory: DsBool = False
+    nvme_path: AbsolutePath | None = None
+
+    @model_validator(mode="after")
+    def _nvme_path(self) -> DeepSpeedOffload:
+        if self.device == Offload.NVME and self.nvme_path is None:
+            raise ValueError("device nvme needs nvme_path")
+        return self
+
+
+class DeepSpeedZero(_DeepSpeedPart):
+    stage: Annotated[int, Strict(), Field(ge=0, le=3)] = 0
+    overlap_comm: DsBool | None = None
+    contiguous_gradients: DsBool | None = None
+    reduce_bucket_size: DsInt | None = None
+    allgather_bucket_size: DsInt | None = None
+    stage3_prefetch_bucket_size: DsInt | None = None
+    stage3_param_persistence_threshold: DsInt | None = None
+    stage3_max_live_parameters: DsInt | None = None
+    stage3_max_reuse_distance: DsInt | None = None
+    stage3_gather_16bit_weights_on_model_save: DsBool | None = None
+    offload_optimizer: DeepSpeedOffload | None = None
+    offload_param: DeepSpeedOffload | None = None
+
+    @model_validator(mode="after")
+    def _offload_needs_zero(self) -> DeepSpeedZero:
+        if self.offload_optimizer is not None and self.offload_optimizer.device != Offload.NONE and self.stage == 0:
+            raise ValueError("offload_optimizer needs ZeRO (stage 1, 2 or 3), the stage is 0")
+        if self.offload_param is not None and self.offload_param.device != Offload.NONE and self.stage != 3:
+            raise ValueError(f"offload_param needs ZeRO stage 3, the stage is {self.stage}")
+        return self
+
+
+class DeepSpeedPrecision(_DeepSpeedPart):
+    enabled: DsBool
+    loss_scale: Annotated[float, Strict(), Field(ge=0, le=2.0**64, allow_inf_nan=False)] | None = None
+    initial_scale_power: Annotated[int, Strict(), Field(ge=0, le=64)] | None = None
+    hysteresis: Annotated[int, Strict(), Field(ge=1, le=2**20)] | None = None
+    loss_scale_window: Annotated[int, Strict(), Field(ge=1, le=2**31)] | None = None
+    min_loss_scale: Annotated[float, Strict(), Field(gt=0, le=2.0**64, allow_inf_nan=False)] | None = None
+
+
+class DeepSpeedOptimizerParams(_DeepSpeedPart):
+    lr: Annotated[float, Strict(), Field(gt=0, le=MAX_LEARNING_RATE, allow_inf_nan=False)]
+    betas: (
+        Annotated[
+            list[Annotated[float, Strict(), Field(ge=0, lt=1, allow_inf_nan=False)]], Field(min_length=2, max_length=2)
+        ]
+        | None
+    ) = None
+    eps: Annotated[float, Strict(), Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    weight_decay: Annotated[float, Strict(), Field(ge=0, le=MAX_WEIGHT_DECAY, allow_inf_nan=False)] = 0.0
+
+
+DEEPSPEED_OPTIMIZER_TYPES: Final = {"adamw": Optimizer.ADAMW, "lion": Optimizer.LION}
+"""The optimizers DeepSpeed builds from its config (memfit.render.deepspeed), by lower-cased type."""
+
+
+class DeepSpeedOptimizer(_DeepSpeedPart):
+    type: Annotated[str, Strict()]
+    params: DeepSpeedOptimizerParams
+
+    @field_validator("type")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        if name.lower() not in DEEPSPEED_OPTIMIZER_TYPES:
+            raise ValueError(f"{name!r} is not an optimizer memfit has DeepSpeed build (AdamW, Lion)")
+        return name
+
+
+class DeepSpeedSection(_DeepSpeedPart):
+    """The keys of ``TrainerConfig.deepspeed``, typed (the config keeps the dict DeepSpeed is given)."""
+
+    train_batch_size: Annotated[int, Strict(), Field(ge=1, le=MAX_GLOBAL_BATCH)] | None = None
+    train_micro_batch_size_per_gpu: Annotated[int, Strict(), Field(ge=1, le=MAX_BATCH)] | None = None
+    gradient_accumulation_steps: Annotated[int, Strict(), Field(ge=1, le=MAX_BATCH)] | None = None
+    gradient_clipping: Annotated[float, Strict(), Field(ge=0, le=MAX_GRAD_NORM, allow_inf_nan=False)] | None = None
+    steps_per_print: Annotated[int, Strict(), Field(ge=1, le=2**63 - 1)] | None = None
+    wall_clock_breakdown: DsBool | None = None
+    zero_optimization: DeepSpeedZero = Field(default_factory=DeepSpeedZero)
+    bf16: DeepSpeedPrecision | None = None
+    fp16: DeepSpeedPrecision | None = None
+    optimizer: DeepSpeedOptimizer | None = None
+    zero_allow_untested_optimizer: DsBool | None = None
+    zero_force_ds_cpu_optimizer: DsBool | None = None
+
+    @model_validator(mode="after")
+    def _one_precision(self) -> DeepSpeedSection:
+        if self.bf16 is not None and self.fp16 is not None and self.bf16.enabled and self.fp16.enabled:
+            raise ValueError("bf16 and fp16 are both enabled")
+        return self
+
+    @property
+    def precision(self) -> Precision | None:
+        """The precision the section enables (None: it enables none, DeepSpeed trains in fp32)."""
+        if self.bf16 is not None and self.bf16.enabled:
+            return Precision.BF16
+        if self.fp16 is not None and self.fp16.enabled:
+            return Precision.FP16
+        return None
+
+
+def _describe_part(error: ValidationError) -> str:
+    lines = []
+    for problem in error.errors(include_url=False):
+        where = ".".join(str(part) for part in problem["loc"]) or "(section)"
+        message = problem["msg"].removeprefix("Value error, ")
+        if problem["type"] == "extra_forbidden":
+            message = "not a key memfit renders (DeepSpeed would ignore a misspelt key silently)"
+        lines.append(f"{where}: {message}")
+    return "; ".join(lines)
+
+
+def deepspeed_section(deepspeed: dict[str, Any]) -> DeepSpeedSection:
+    """The typed view of a config's ``deepspeed`` dict (validated when the config was)."""
+    return DeepSpeedSection.model_validate(deepspeed)
+
+
+# --- the config ----------------------------------------------------------------------------------------
 
 
 class TrainerConfig(ApiModel):
     """Everything one training run needs."""
 
     version: Literal[1] = CONFIG_VERSION
-    job: str
+    job: Annotated[str, Strict(), Field(min_length=3, max_length=320, pattern=JOB_NAME)]
     """namespace/name of the FineTuneJob (labels metrics and logs)."""
     model: ModelConfig
     data: DataConfig
     training: TrainingConfig
-    output_dir: str
+    output_dir: AbsolutePath
     """Checkpoints go to outputDir/checkpoints, the final model or adapter to outputDir/final."""
     deepspeed: dict[str, Any]
-    """The DeepSpeed config, exactly as `memfit plan --emit-ds-config` renders it."""
+    """The DeepSpeed config, exactly as `memfit plan --emit-ds-config` renders it (see DeepSpeedSection)."""
     prediction: PredictionConfig | None = None
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
-    termination_log: str = "/dev/termination-log"
+    termination_log: AbsolutePath = "/dev/termination-log"
+    volumes: VolumesConfig | None = None
+    """The roots of data.path, outputDir and a model directory (None: unknown, nothing is checked)."""
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _integer_version(cls, version: Any) -> Any:
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise ValueError(f"version must be the integer {CONFIG_VERSION}, got {version!r}")
+        return version
+
+    @field_validator("deepspeed")
+    @classmethod
+    def _deepspeed_keys(cls, deepspeed: dict[str, Any]) -> dict[str, Any]:
+        try:
+            deepspeed_section(deepspeed)
+        except ValidationError as error:
+            raise ValueError(_describe_part(error)) from None
+        return deepspeed
 
     @model_validator(mode="after")
-    def _consistent_batches(self) -> TrainerConfig:
-        t, ds = self.training, self.deepspeed
-        if ds.get("train_micro_batch_size_per_gpu", t.micro_batch_size) != t.micro_batch_size:
-            raise ValueError("deepspeed.train_micro_batch_size_per_gpu differs from training.microBatchSize")
-        if ds.get("gradient_accumulation_steps", t.gradient_accumulation_steps) != t.gradient_accumulation_steps:
-            raise ValueError("deepspeed.gradient_accumulation_steps differs from training.gradientAccumulationSteps")
-        if t.global_batch_size % (t.micro_batch_size * t.gradient_accumulation_steps):
-            raise ValueError("training.globalBatchSize is not a multiple of microBatchSize x gradientAccumulationSteps")
+    def _consistent(self) -> TrainerConfig:
+        problems = self._batch_problems() + self._deepspeed_problems() + self._volume_problems()
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
+
+    def _batch_problems(self) -> list[str]:
+        t = self.training
+        if t.global_batch_size % (t.micro_batch_size * t.gradient_accumulation_steps):
+            return ["training.globalBatchSize is not a multiple of microBatchSize x gradientAccumulationSteps"]
+        return []
+
+    def _deepspeed_problems(self) -> list[str]:
+        t, ds = self.training, deepspeed_section(self.deepspeed)
+        problems = []
+        for key, value, name in (
+            ("train_micro_batch_size_per_gpu", t.micro_batch_size, "training.microBatchSize"),
+            ("gradient_accumulation_steps", t.gradient_accumulation_steps, "training.gradientAccumulationSteps"),
+            ("train_batch_size", t.global_batch_size, "training.globalBatchSize"),
+        ):
+            given = getattr(ds, key)
+            if given is not None and given != value:
+                problems.append(f"deepspeed.{key} ({given}) differs from {name} ({value})")
+        if ds.gradient_clipping is not None and not math.isclose(ds.gradient_clipping, t.max_grad_norm):
+            problems.append(
+                f"deepspeed.gradient_clipping ({ds.gradient_clipping}) differs from training.maxGradNorm "
+                f"({t.max_grad_norm})"
+            )
+        enabled = ds.precision
+        if enabled is not None and enabled != t.precision:
+            problems.append(f"deepspeed enables {enabled} but training.precision is {t.precision}")
+        zero = ds.zero_optimization
+        offloads_optimizer = zero.offload_optimizer is not None and zero.offload_optimizer.device != Offload.NONE
+        offloads_params = zero.offload_param is not None and zero.offload_param.device != Offload.NONE
+        if t.method == Method.QLORA and (zero.stage == 3 or offloads_params):
+            problems.append("qlora's 4-bit weights cannot be partitioned or offloaded (ZeRO-3, offload_param)")
+        if t.optimizer in EIGHT_BIT_OPTIMIZERS and offloads_optimizer:
+            problems.append(f"{t.optimizer} keeps its 8-bit states on the GPU: it cannot be offloaded")
+        if ds.optimizer is not None:
+            built = DEEPSPEED_OPTIMIZER_TYPES[ds.optimizer.type.lower()]
+            if built != t.optimizer:
+                problems.append(f"deepspeed.optimizer is {ds.optimizer.type} but training.optimizer is {t.optimizer}")
+            if not math.isclose(ds.optimizer.params.lr, t.learning_rate):
+                problems.append(
+                    f"deepspeed.optimizer.params.lr ({ds.optimizer.params.lr}) differs from training.learningRate "
+                    f"({t.learning_rate})"
+                )
+            if not math.isclose(ds.optimizer.params.weight_decay, t.weight_decay, abs_tol=1e-12):
+                problems.append(
+                    f"deepspeed.optimizer.params.weight_decay ({ds.optimizer.params.weight_decay}) differs from "
+                    f"training.weightDecay ({t.weight_decay})"
+                )
+        return problems
+
+    def _volume_problems(self) -> list[str]:
+        volumes = self.volumes
+        if volumes is None:
+            return []
+        problems = []
+        paths = [("data.path", self.data.path, "data", volumes.data), ("outputDir", self.output_dir, "output",
+                 volumes.output)]  # fmt: skip
+        if volumes.model is not None:
+            paths.append(("model.nameOrPath", self.model.name_or_path, "model", volumes.model))
+        for name, path, volume, root in paths:
+            if root is not None and not within(path, root):
+                problems.append(f"{name} {path!r} is outside the {volume} volume {root!r}")
+        return problems
 
     @property
     def world_size(self) -> int:
@@ -144,10 +554,13 @@ class TrainerConfig(ApiModel):
         )
 
     @property
+    def zero_stage(self) -> int:
+        return deepspeed_section(self.deepspeed).zero_optimization.stage
+
+    @property
     def layout(self) -> CheckpointLayout:
         """How this run's checkpoints are sharded (memfit.contract.layout)."""
-        zero = int(self.deepspeed.get("zero_optimization", {}).get("stage", 0))
-        return CheckpointLayout(self.training.method, self.training.precision, zero, self.world_size)
+        return CheckpointLayout(self.training.method, self.training.precision, self.zero_stage, self.world_size)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -164,15 +577,98 @@ class TrainerConfig(ApiModel):
         return json.dumps(self.to_api(), indent=2) + "\n"
 
 
-def load_config(path: str | Path) -> TrainerConfig:
-    """Read and validate a config file; every problem becomes one ConfigError line."""
+# --- reading -------------------------------------------------------------------------------------------
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text} is out of range")
+    return value
+
+
+def _not_a_number(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    document: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in document:
+            raise ValueError(f"the key {key!r} appears twice in one object")
+        document[key] = value
+    return document
+
+
+def _depth(document: Any) -> int:
+    """How deeply objects and arrays nest (without recursion: the document may be hostile)."""
+    deepest, pending = 0, [(document, 1)]
+    while pending:
+        value, depth = pending.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > MAX_CONFIG_DEPTH:
+            break
+        pending.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def _read_text(path: str | Path) -> str:
     try:
-        document = json.loads(Path(path).read_text())
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_CONFIG_BYTES + 1)
     except OSError as error:
         raise ConfigError(f"{path}: cannot read: {error.strerror or error}") from None
+    except ValueError as error:  # a path with a NUL byte
+        raise ConfigError(f"{path!r}: cannot read: {error}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes, not a trainer config")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte {error.start}: {raw[error.start : error.start + 1]!r})"
+        ) from None
+
+
+def _parse(path: str | Path, text: str) -> dict[str, Any]:
+    try:
+        document = json.loads(text, parse_float=_finite, parse_constant=_not_a_number, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as error:
         raise ConfigError(f"{path}: not valid JSON: {error}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not a trainer config: JSON nested too deeply") from None
+    except ValueError as error:  # NaN, Infinity, 1e999, a duplicate key, an integer of thousands of digits
+        raise ConfigError(f"{path}: not valid JSON: {error}") from None
+    if not isinstance(document, dict):
+        raise ConfigError(f"{path}: not a trainer config: expected a JSON object, got {type(document).__name__}")
+    if _depth(document) > MAX_CONFIG_DEPTH:
+        raise ConfigError(f"{path}: not a trainer config: JSON nested deeper than {MAX_CONFIG_DEPTH} levels")
+    return document
+
+
+def _termination_log_of(document: dict[str, Any]) -> str | None:
+    """The config's terminationLog, if it is usable although the rest of the config is not."""
+    value = document.get("terminationLog")
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_PATH_LENGTH:
+        return None
     try:
-        return TrainerConfig.model_validate(document)
+        return _absolute_path(value)
+    except ValueError:
+        return None
+
+
+def load_config(path: str | Path) -> TrainerConfig:
+    """Read and validate a config file; every problem becomes one ConfigError line.
+
+    JSON types are strict (``"8"`` is not a number, ``8.0`` not an integer, ``true`` neither); NaN,
+    infinities, duplicate keys, non-UTF-8 bytes, files over ``MAX_CONFIG_BYTES`` and documents nested deeper
+    than ``MAX_CONFIG_DEPTH`` are refused before validation."""
+    text = _read_text(path)
+    document = _parse(path, text)
+    try:
+        return TrainerConfig.model_validate_json(text, strict=True)
     except ValidationError as error:
-        raise ConfigError(f"{path}: {describe_validation_error(error)}") from None
+        raise ConfigError(f"{path}: {describe_validation_error(error)}", _termination_log_of(document)) from None

@@ -8,15 +8,17 @@ A training step has two peaks and the GPU must hold the larger:
   are alive throughout.
 * optimizer step: weights + states + gradients + the fp32 gradient partition the optimizer reads.
 
-The reported breakdown is the composition of memory at the winning peak, so its parts add up.
+Both moments are reported (``memory.phases``), each a breakdown whose parts add up to its total, with
+the one that binds. The per-GPU summary is the binding moment's, except that its activations are always
+the forward/backward's (the plan contract's meaning: the optimizer step holds none).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.api.plan import PerGPUMemory, PerNodeMemory, PlanMemory, Strategy
-from memfit.api.vocabulary import Method, Precision
+from memfit.api.plan import PerGPUMemory, PerNodeMemory, PhaseMemory, PlanMemory, PlanPhases, Strategy
+from memfit.api.vocabulary import Method, Precision, StepPhase
 from memfit.memory.activations import ActivationEstimate, ActivationSetup
 from memfit.memory.overhead import FRAGMENTATION, communication_buffer_bytes, runtime_bytes
 from memfit.memory.states import ModelStates, compute_bytes, model_states, trainable_split
@@ -129,6 +131,13 @@ def gradient_timeline(shape: ModelShape, method: Method, precision: Precision) -
     )
 
 
+def _moment_gradients(gradients: int, grads_persist: bool, timeline: GradientTimeline) -> tuple[int, int, int, int]:
+    """Gradient bytes alive at each candidate moment of the backward pass (see forward_backward_moments)."""
+    resident = gradients if grads_persist else 0
+    at_first_layer = gradients if grads_persist else max(0, gradients - timeline.missing_at_first_layer)
+    return resident, resident + timeline.head, at_first_layer, gradients + timeline.tied_extra
+
+
 def forward_backward_moments(
     activations: ActivationEstimate, gradients: int, grads_persist: bool, timeline: GradientTimeline
 ) -> tuple[int, int]:
@@ -137,38 +146,72 @@ def forward_backward_moments(
     Gradients grow as the backward pass frees activations, so the candidates are: its start (loss
     buffers), the last layer's backward (the head's gradient exists), the first layer's backward
     (nearly every gradient exists), and its end (tied embeddings' extra gradient copies)."""
-    resident = gradients if grads_persist else 0
-    at_first_layer = gradients if grads_persist else max(0, gradients - timeline.missing_at_first_layer)
+    at_loss, at_last_layer, at_first_layer, at_end = _moment_gradients(gradients, grads_persist, timeline)
     moments = [
-        (resident, activations.loss_moment),
-        (resident + timeline.head, activations.layer_moment),
+        (at_loss, activations.loss_moment),
+        (at_last_layer, activations.layer_moment),
         (at_first_layer, activations.first_layer_moment),
-        (gradients + timeline.tied_extra, activations.backward_end),
+        (at_end, activations.backward_end),
     ]
     return max(moments, key=sum)
 
 
+def _grads_persist(static: StaticMemory, accumulation_steps: int) -> bool:
+    """Accumulating micro-batches keeps gradients alive across them; ZeRO-2/3 keep their partition."""
+    return accumulation_steps > 1 or static.zero_stage >= 2
+
+
+def _overhead(static: StaticMemory, activations: ActivationEstimate) -> int:
+    fragmentation = int(FRAGMENTATION * (activations.peak + static.states.gradients))
+    return static.runtime + static.communication_buffers + fragmentation
+
+
+def step_total(static: StaticMemory, activations: ActivationEstimate, accumulation_steps: int) -> int:
+    """``peak_memory(...).per_gpu.total`` without building the breakdown (the search's inner loop, where
+    this is most of the planner's time: tests/test_plan_phases.py keeps the two equal)."""
+    states, a = static.states, activations
+    at_loss, at_last_layer, at_first_layer, at_end = _moment_gradients(
+        states.gradients, _grads_persist(static, accumulation_steps), static.gradients_timeline
+    )
+    forward_backward = max(at_loss + a.loss_moment, at_last_layer + a.layer_moment,
+                           at_first_layer + a.first_layer_moment, at_end + a.backward_end)  # fmt: skip
+    step = states.gradients + states.step_gradients
+    return states.parameters + states.optimizer_states + _overhead(static, a) + max(forward_backward, step)
+
+
 def peak_memory(static: StaticMemory, activations: ActivationEstimate, accumulation_steps: int) -> PlanMemory:
-    """Combine the static part with one micro-batch's activations into the step's peak."""
+    """Combine the static part with one micro-batch's activations into the step's two moments; the
+    larger binds."""
     states = static.states
-    # Accumulating micro-batches keeps gradients alive across them; ZeRO-2/3 keep their partition.
-    grads_persist = accumulation_steps > 1 or static.zero_stage >= 2
-    base = states.parameters + states.optimizer_states + static.communication_buffers
     fwd_bwd_grads, acts = forward_backward_moments(
-        activations, states.gradients, grads_persist, static.gradients_timeline
+        activations, states.gradients, _grads_persist(static, accumulation_steps), static.gradients_timeline
     )
-    step_grads = states.gradients + states.step_gradients
-    if fwd_bwd_grads + acts >= step_grads:
-        gradients, peak = fwd_bwd_grads, base + fwd_bwd_grads + acts
-    else:
-        gradients, acts, peak = step_grads, 0, base + step_grads
-    fragmentation = int(FRAGMENTATION * (activations.peak + states.gradients))
-    per_gpu = PerGPUMemory.of(
+    overhead = _overhead(static, activations)
+    phases = PlanPhases(
+        forward_backward=PhaseMemory.of(states.parameters, fwd_bwd_grads, states.optimizer_states, acts, overhead),
+        optimizer_step=PhaseMemory.of(
+            states.parameters, states.gradients + states.step_gradients, states.optimizer_states, 0, overhead
+        ),
+    )
+    binding = (
+        StepPhase.FORWARD_BACKWARD
+        if phases.forward_backward.total >= phases.optimizer_step.total
+        else StepPhase.OPTIMIZER_STEP
+    )
+    bound = phases.at(binding)
+    resident = states.parameters + states.optimizer_states + static.communication_buffers
+    per_gpu = PerGPUMemory(
         parameters=states.parameters,
-        gradients=gradients,
+        gradients=bound.gradients,
         optimizer_states=states.optimizer_states,
-        activations=acts,
-        overhead=static.runtime + static.communication_buffers + fragmentation,
-        peak_allocated_bytes=peak,
+        activations=acts,  # the forward/backward's, also when the optimizer step binds
+        overhead=overhead,
+        peak_allocated_bytes=resident + bound.gradients + bound.activations,
+        total=bound.total,
     )
-    return PlanMemory(per_gpu=per_gpu, per_node=PerNodeMemory(cpu=static.cpu_per_node, nvme=static.nvme_per_node))
+    return PlanMemory(
+        per_gpu=per_gpu,
+        per_node=PerNodeMemory(cpu=static.cpu_per_node, nvme=static.nvme_per_node),
+        phases=phases,
+        binding=binding,
+    )

@@ -7,16 +7,16 @@ from typing import Any
 
 from memfit.api.finetunejob import FineTuneJobSpec
 from memfit.api.gpupool import GPUPool, PoolCapacity, pool_capacity
-from memfit.api.plan import PlanCandidate, PlanMemory, PlanResult, PlanThroughput, RejectedCandidate, Strategy
-from memfit.api.vocabulary import (
-    EIGHT_BIT_OPTIMIZERS,
-    Attention,
-    Method,
-    Offload,
-    PlannedMethod,
-    PlannedPrecision,
-    Precision,
+from memfit.api.plan import (
+    PlanCandidate,
+    PlanMemory,
+    PlanResult,
+    PlanThroughput,
+    RejectedCandidate,
+    Strategy,
+    strategy_conflicts,
 )
+from memfit.api.vocabulary import Attention, Method, Offload, PlannedMethod, PlannedPrecision, Precision
 from memfit.memory.activations import ActivationEstimate, estimate_activations
 from memfit.memory.estimate import (
     LoraSettings,
@@ -24,14 +24,18 @@ from memfit.memory.estimate import (
     activation_setup,
     peak_memory,
     static_memory,
+    step_total,
 )
 from memfit.model_shape import ModelShape
-from memfit.planner.advice import advise
-from memfit.planner.throughput import estimate_throughput
+from memfit.planner.advice import Untried, advise
+from memfit.planner.layouts import layouts
+from memfit.planner.throughput import estimate_throughput, step_seconds
 
 GIB = 1024**3
 MAX_CANDIDATES = 50
-"""Feasible candidates reported (fastest first)."""
+"""Feasible candidates reported (the best of each method always among them)."""
+METHOD_PREFERENCE: tuple[PlannedMethod, ...] = (Method.FULL, Method.LORA, Method.QLORA)
+"""`method: auto` takes the method that changes the model least among those that fit."""
 MAX_REJECTED = 25
 """Nearest misses reported: the closest attempt of each pool x layout x method, closest first."""
 
@@ -45,7 +49,8 @@ class _Evaluated:
     template: Strategy
     micro_batch_size: int
     gradient_accumulation_steps: int
-    memory: PlanMemory
+    static: StaticMemory
+    activations: ActivationEstimate
     capacity: PoolCapacity
     trainable: int
     limit: int
@@ -57,6 +62,11 @@ class _Evaluated:
         return self.miss_ratio <= 1 and not self.excluded
 
     @property
+    def memory(self) -> PlanMemory:
+        """The full breakdown (the search itself needs only the totals: built for what is reported)."""
+        return peak_memory(self.static, self.activations, self.gradient_accumulation_steps)
+
+    @property
     def reason(self) -> str | None:
         """Why it does not fit (None when it does)."""
         if self.excluded:
@@ -65,8 +75,29 @@ class _Evaluated:
 
     @property
     def strategy(self) -> Strategy:
-        return replace(self.template, micro_batch_size=self.micro_batch_size,
-                       gradient_accumulation_steps=self.gradient_accumulation_steps)  # fmt: skip
+        t = self.template  # built field by field: dataclasses.replace is several times slower (inner loop)
+        return Strategy(
+            method=t.method, pool=t.pool, nodes=t.nodes, gpus_per_node=t.gpus_per_node, zero_stage=t.zero_stage,
+            offload_optimizer=t.offload_optimizer, offload_parameters=t.offload_parameters,
+            gradient_checkpointing=t.gradient_checkpointing, micro_batch_size=self.micro_batch_size,
+            gradient_accumulation_steps=self.gradient_accumulation_steps, precision=t.precision,
+            optimizer=t.optimizer, attention=t.attention,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class _Fit:
+    evaluated: _Evaluated
+    tokens_per_second: float
+    step_seconds: float
+
+    @property
+    def method(self) -> str:
+        return self.evaluated.template.method
+
+    @property
+    def throughput(self) -> PlanThroughput:
+        return PlanThroughput.model_construct(tokens_per_second=self.tokens_per_second, step_seconds=self.step_seconds)
 
 
 @dataclass
@@ -77,10 +108,12 @@ class _Search:
     shape: ModelShape
     lora: LoraSettings
     exclude: Collection[str]
-    fits: list[tuple[_Evaluated, PlanThroughput]] = field(default_factory=list)
+    fits: list[_Fit] = field(default_factory=list)
     nearest_misses: dict[tuple[str, int, int, str], _Evaluated] = field(default_factory=dict)
     static: dict[tuple[str, int, Offload, Offload, int, int, str], StaticMemory] = field(default_factory=dict)
     activations: dict[tuple[str, str, bool, int, Attention], ActivationEstimate] = field(default_factory=dict)
+    untried: set[Untried] = field(default_factory=set)
+    """Parts of the search where no candidate could be evaluated at all, and why (for the advice)."""
 
     @property
     def sequence_length(self) -> int:
@@ -110,26 +143,107 @@ def plan_job(spec: FineTuneJobSpec, pools: Sequence[GPUPool], exclude: Collectio
     lora = LoraSettings(spec.lora.rank, tuple(spec.lora.target_modules), spec.lora.dropout > 0)
     search = _Search(spec, shape, lora, frozenset(exclude))
     capacities = _selected_pools(spec, pools)
-    for method in _methods(spec):  # auto: stop at the highest-fidelity method that fits anywhere
+    for method in _methods(spec):  # auto: every method, so that the best of each can be shown
+        if _pinned_conflicts(search, method):
+            continue
         for capacity in capacities:
             _search_pool(search, capacity, method)
-        if search.fits:
-            break
 
-    ranked = sorted(search.fits, key=lambda fit: -fit[1].tokens_per_second)
-    candidates = [_to_candidate(search, evaluated, throughput) for evaluated, throughput in ranked[:MAX_CANDIDATES]]
-    misses = sorted(search.nearest_misses.values(), key=lambda miss: miss.miss_ratio)[:MAX_REJECTED]
+    ranked = sorted(search.fits, key=_preference)
+    candidates = [_to_candidate(search, fit.evaluated, fit.throughput) for fit in _reported(ranked)]
+    misses = sorted(search.nearest_misses.values(), key=_ratio)[:MAX_REJECTED]
     rejected = [_to_rejected(search, miss) for miss in misses]
     chosen = candidates[0] if candidates else None
-    advice = [] if chosen else advise(spec, shape, rejected, pools)
+    advice = [] if chosen else advise(spec, rejected, pools, search.untried, _lighter(search, capacities))
     return PlanResult(
         chosen=chosen,
+        why_chosen=_why_chosen(spec, ranked) if ranked else None,
         candidates=candidates,
         feasible_count=len(ranked),
         rejected=rejected,
         planning_seconds=round(time.perf_counter() - started, 6),
         advice=advice,
     )
+
+
+def _lighter(search: _Search, capacities: list[PoolCapacity]) -> dict[str, PlanCandidate | None]:
+    """When the pinned method fits nowhere: the best plan of each lighter one, or its nearest miss (None
+    where it cannot be tried; why joins ``search.untried``)."""
+    spec = search.spec
+    if spec.method is Method.AUTO:
+        return {}  # every method was searched
+    lighter: dict[str, PlanCandidate | None] = {}
+    for method in METHOD_PREFERENCE[METHOD_PREFERENCE.index(spec.method) + 1 :]:
+        alternative = _Search(spec, search.shape, search.lora, search.exclude)
+        if not _pinned_conflicts(alternative, method):
+            for capacity in capacities:
+                _search_pool(alternative, capacity, method)
+        search.untried |= alternative.untried
+        if alternative.fits:
+            best = max(alternative.fits, key=lambda fit: fit.tokens_per_second)
+            lighter[method] = _to_candidate(alternative, best.evaluated, best.throughput)
+        elif alternative.nearest_misses:
+            lighter[method] = _to_rejected(alternative, min(alternative.nearest_misses.values(), key=_ratio))
+        else:
+            lighter[method] = None
+    return lighter
+
+
+def _ratio(miss: _Evaluated) -> float:
+    return miss.miss_ratio
+
+
+def _preference(fit: _Fit) -> tuple[int, float]:
+    """The planner's order: the method that changes the model least, then the fastest."""
+    return METHOD_PREFERENCE.index(fit.evaluated.template.method), -fit.tokens_per_second
+
+
+def _reported(ranked: list[_Fit]) -> list[_Fit]:
+    """The first MAX_CANDIDATES of ``ranked``, with the best of every method among them."""
+    heads: dict[str, int] = {}
+    for index, fit in enumerate(ranked):
+        heads.setdefault(fit.method, index)
+    rest = [index for index in range(len(ranked)) if index not in heads.values()]
+    kept = sorted({*heads.values(), *rest[: max(0, MAX_CANDIDATES - len(heads))]})
+    return [ranked[index] for index in kept]
+
+
+def _speed_ratio(faster: float, slower: float) -> str:
+    """``faster`` against ``slower`` in words: "35% faster", "2.1x faster", "6% slower", "as fast"."""
+    ratio = faster / slower
+    if ratio >= 2:
+        return f"{ratio:.1f}x faster"
+    if ratio >= 1.005:
+        return f"{ratio - 1:.0%} faster"
+    return f"{1 - ratio:.0%} slower" if ratio <= 0.995 else "as fast"
+
+
+def _why_chosen(spec: FineTuneJobSpec, ranked: list[_Fit]) -> str:
+    """One sentence: why the first of ``ranked`` won."""
+    best = ranked[0]
+    method = best.method
+    same = [fit for fit in ranked if fit.method == method]
+    if len(same) == 1:
+        within = f"the only {method} plan that fits"
+    else:
+        ratio = _speed_ratio(best.tokens_per_second, same[1].tokens_per_second)
+        versus = "as fast as the next" if ratio == "as fast" else f"{ratio} than the next"
+        within = f"the fastest of the {len(same)} {method} plans that fit ({versus})"
+    if spec.method is not Method.AUTO:
+        return f"method {method} is pinned, and this is {within}."
+    higher = METHOD_PREFERENCE[: METHOD_PREFERENCE.index(method)]
+    sentence = "method auto takes the method that changes the model least (full, then lora, then qlora)"
+    if higher:
+        sentence += f" and no {' or '.join(higher)} plan fits"
+    sentence += f"; this is {within}"
+    others: dict[str, _Fit] = {}
+    for fit in ranked:
+        if fit.method != method:
+            others.setdefault(fit.method, fit)
+    for other, fit in others.items():
+        ratio = _speed_ratio(fit.tokens_per_second, best.tokens_per_second)
+        sentence += f"; the best {other} plan would be {ratio} ({fit.tokens_per_second:,.0f} tokens/s est.)"
+    return sentence + "."
 
 
 def _selected_pools(spec: FineTuneJobSpec, pools: Sequence[GPUPool]) -> list[PoolCapacity]:
@@ -145,58 +259,67 @@ def _selected_pools(spec: FineTuneJobSpec, pools: Sequence[GPUPool]) -> list[Poo
     return selected
 
 
-def layouts(capacity: PoolCapacity, max_gpus: int | None, global_batch: int) -> Iterator[tuple[int, int]]:
-    """(nodes, GPUs per node) to try: part of one node in powers of two, or whole nodes. The GPU count
-    must divide the global batch so that micro-batch x accumulation x GPUs equals it exactly."""
-    per_node = capacity.gpus_per_node
-    options = [(1, g) for g in (1, 2, 4, 8, 16) if g < per_node]
-    options += [(nodes, per_node) for nodes in range(1, capacity.nodes + 1)]
-    for nodes, gpus in options:
-        total = nodes * gpus
-        if (max_gpus is None or total <= max_gpus) and global_batch % total == 0:
-            yield nodes, gpus
-
-
 def _methods(spec: FineTuneJobSpec) -> list[PlannedMethod]:
-    """auto prefers the method that changes the model least: full, then LoRA, then QLoRA."""
+    """The methods to plan: the pinned one, or for auto all of them (METHOD_PREFERENCE decides)."""
     method = spec.method
     if method is Method.AUTO:
-        return [Method.FULL, Method.LORA, Method.QLORA]
+        return list(METHOD_PREFERENCE)
     return [method]
 
 
-def _precisions(spec: FineTuneJobSpec, capacity: PoolCapacity) -> list[PlannedPrecision]:
-    pinned = spec.training.precision
-    if pinned is Precision.AUTO:
-        return [Precision.BF16 if capacity.bf16 else Precision.FP16]
-    if pinned is Precision.BF16 and not capacity.bf16:
-        return []  # the GPU cannot run it; reported by advise() if nothing else fits
-    return [pinned]
+def _pinned_conflicts(search: _Search, method: PlannedMethod) -> bool:
+    """Whether the spec's pinned knobs rule ``method`` out under every ZeRO stage, recording why: the
+    conflicts that hold whatever the stage if there are any, else each stage's."""
+    spec, pinned = search.spec, search.spec.strategy
+
+    def conflicts(stage: int | None) -> list[str]:
+        return strategy_conflicts(method, spec.training.precision, stage, pinned.offload_optimizer,
+                                  pinned.offload_parameters, spec.training.optimizer)  # fmt: skip
+
+    stages = [pinned.zero_stage] if pinned.zero_stage is not None else [0, 1, 2, 3]
+    per_stage = [conflicts(stage) for stage in stages]
+    if not all(per_stage):
+        return False
+    causes = conflicts(pinned.zero_stage) or [cause for stage_causes in per_stage for cause in stage_causes]
+    search.untried.update(Untried(pool=None, method=method, cause=cause) for cause in causes)
+    return True
+
+
+def _precisions(search: _Search, capacity: PoolCapacity, method: PlannedMethod) -> list[PlannedPrecision]:
+    """The precision ``method`` runs in on the pool's GPUs: bf16 where they have it, else fp16, unless
+    pinned; QLoRA only in bf16 (the trainer refuses it otherwise)."""
+    pinned = search.spec.training.precision
+    available: PlannedPrecision = Precision.BF16 if capacity.bf16 else Precision.FP16
+    precision: PlannedPrecision = available if pinned is Precision.AUTO else pinned
+    if precision == Precision.BF16 and not capacity.bf16:
+        search.untried.add(Untried(pool=capacity.name, method=None, cause=Untried.BF16_PINNED))
+        return []
+    if method == Method.QLORA and precision != Precision.BF16:  # pinned fp16/fp32: _pinned_conflicts said so
+        search.untried.add(Untried(pool=capacity.name, method=method, cause=Untried.QLORA_NEEDS_BF16))
+        return []
+    return [precision]
 
 
 def _zero_options(
-    spec: FineTuneJobSpec, method: PlannedMethod, capacity: PoolCapacity, gpus: int
+    spec: FineTuneJobSpec, method: PlannedMethod, precision: PlannedPrecision, capacity: PoolCapacity, gpus: int
 ) -> Iterator[tuple[int, Offload, Offload]]:
-    """(stage, optimizer offload, parameter offload) combinations DeepSpeed supports for ``method``,
-    without the ones that duplicate another: with several GPUs ZeRO-1 communicates as much as ZeRO-0
-    and holds less; on one GPU nothing is partitioned, so the stages differ only by what they offload."""
+    """(stage, optimizer offload, parameter offload) combinations that run as planned (no
+    strategy_conflicts), without the ones that duplicate another: with several GPUs ZeRO-1 communicates
+    as much as ZeRO-0 and holds less; on one GPU nothing is partitioned, so the stages differ only by
+    what they offload."""
     pinned = spec.strategy
     stages = [pinned.zero_stage] if pinned.zero_stage is not None else [0, 1, 2, 3]
     devices = [Offload.NONE, Offload.CPU] + ([Offload.NVME] if capacity.nvme_bytes_per_node else [])
-    eight_bit = spec.training.optimizer in EIGHT_BIT_OPTIMIZERS
+    optimizer = spec.training.optimizer
     for stage in stages:
-        if method == Method.QLORA and stage == 3:
-            continue
         if pinned.zero_stage is None and (stage == 0 if gpus > 1 else stage == 2):
             continue
         for opt in _pinned_or(pinned.offload_optimizer, devices):
-            # Offload needs ZeRO; adapters' states are too small to be worth moving; 8-bit states stay on GPU.
-            if opt != Offload.NONE and (
-                stage == 0 or (method != Method.FULL and pinned.offload_optimizer is None) or eight_bit
-            ):
+            # Adapters' states are too small to be worth moving (unless the spec says so).
+            if opt != Offload.NONE and method != Method.FULL and pinned.offload_optimizer is None:
                 continue
             for params in _pinned_or(pinned.offload_parameters, devices if stage == 3 else [Offload.NONE]):
-                if method == Method.QLORA and params != Offload.NONE:
+                if strategy_conflicts(method, precision, stage, opt, params, optimizer):
                     continue
                 single_gpu_duplicate = (
                     gpus == 1
@@ -221,18 +344,24 @@ def _micro_batches(spec: FineTuneJobSpec, per_gpu_batch: int) -> list[int]:
 
 def _search_pool(search: _Search, capacity: PoolCapacity, method: PlannedMethod) -> None:
     spec = search.spec
+    precisions = _precisions(search, capacity, method)
+    if not precisions:
+        return
     limit = int(capacity.gpu_memory_bytes * (1 - spec.resources.memory_headroom_percent / 100))
     attention = spec.strategy.attention or Attention.SDPA
     pinned_ckpt = spec.strategy.gradient_checkpointing
     checkpointing = [pinned_ckpt] if pinned_ckpt is not None else [False, True]
-    for nodes, per_node in layouts(capacity, spec.resources.max_gpus, spec.training.global_batch_size):
-        per_gpu_batch = spec.training.global_batch_size // (nodes * per_node)
+    batch = spec.training.global_batch_size
+    tried = False
+    for nodes, per_node in layouts(capacity, spec.resources.max_gpus, batch):
+        per_gpu_batch = batch // (nodes * per_node)
         micro_batches = _micro_batches(spec, per_gpu_batch)
         if not micro_batches:
             continue
-        for precision in _precisions(spec, capacity):
+        tried = True
+        for precision in precisions:
             fitted: dict[tuple[int, Offload, Offload, bool], int] = {}  # knobs -> largest micro-batch that fits
-            for stage, opt, params in _zero_options(spec, method, capacity, nodes * per_node):
+            for stage, opt, params in _zero_options(spec, method, precision, capacity, nodes * per_node):
                 for ckpt in checkpointing:
                     if _dominated(fitted, stage, opt, params, ckpt, micro_batches[0]):
                         continue
@@ -247,6 +376,8 @@ def _search_pool(search: _Search, capacity: PoolCapacity, method: PlannedMethod)
                     )
                     if micro is not None:
                         fitted[(stage, opt, params, ckpt)] = micro
+    if not tried:
+        search.untried.add(Untried(pool=capacity.name, method=None, cause=Untried.no_layout(spec)))
 
 
 def _dominated(fitted: dict[tuple[int, Offload, Offload, bool], int], stage: int, opt: Offload, params: Offload,
@@ -276,9 +407,10 @@ def _largest_fitting_micro_batch(
 
     def attempt(micro: int) -> _Evaluated:
         accumulation = per_gpu_batch // micro
-        memory = peak_memory(static, search.activation_estimate(template, micro), accumulation)
-        ratio = _shortfall_ratio(memory, limit, capacity)
-        evaluated = _Evaluated(template, micro, accumulation, memory, capacity, trainable, limit, ratio)
+        activations = search.activation_estimate(template, micro)
+        total = step_total(static, activations, accumulation)
+        ratio = _shortfall_ratio_of(total, static.cpu_per_node, static.nvme_per_node, limit, capacity)
+        evaluated = _Evaluated(template, micro, accumulation, static, activations, capacity, trainable, limit, ratio)
         if search.exclude and evaluated.strategy.summary() in search.exclude:
             return replace(evaluated, miss_ratio=float("inf"), excluded=True)
         return evaluated
@@ -319,8 +451,10 @@ def _largest_fitting_micro_batch(
 
 
 def _record_fit(search: _Search, fit: _Evaluated) -> int:
-    throughput = estimate_throughput(search.shape, fit.strategy, fit.capacity, search.sequence_length, fit.trainable)
-    search.fits.append((fit, throughput))
+    strategy = fit.strategy
+    step = step_seconds(search.shape, strategy, fit.capacity, search.sequence_length, fit.trainable)
+    tokens = strategy.gpus * strategy.micro_batch_size * strategy.gradient_accumulation_steps * search.sequence_length
+    search.fits.append(_Fit(fit, tokens / step, step))
     return fit.micro_batch_size
 
 

@@ -97,6 +97,17 @@ def estimate_throughput(
     sequence_length: int,
     trainable: int,
 ) -> PlanThroughput:
+    step = step_seconds(shape, strategy, pool, sequence_length, trainable)
+    tokens = strategy.gpus * strategy.micro_batch_size * strategy.gradient_accumulation_steps * sequence_length
+    return PlanThroughput.model_construct(tokens_per_second=tokens / step, step_seconds=step)
+
+
+def step_seconds(
+    shape: ModelShape, strategy: Strategy, pool: PoolCapacity, sequence_length: int, trainable: int
+) -> float:
+    """Estimated seconds of one optimizer step. With the batch fixed it is shortest at the largest
+    micro-batch (no accumulation): bigger micro-batches use the GPU better, and ZeRO-2/3 communicate
+    and offloaded weights travel once per micro-batch."""
     micro_tokens = strategy.micro_batch_size * sequence_length
     efficiency = PEAK_EFFICIENCY * micro_tokens / (micro_tokens + HALF_EFFICIENCY_TOKENS)
     flops = _training_flops_per_token(shape, strategy, sequence_length) * micro_tokens
@@ -107,6 +118,4 @@ def estimate_throughput(
     frozen_16bit = shape.parameter_count if strategy.method == Method.LORA else 0  # ZeRO-3 also gathers the frozen base
     communication = _communication_seconds(shape, strategy, pool, trainable, frozen_16bit)
     step = compute + (1 - COMM_OVERLAP) * communication + max(0.0, COMM_OVERLAP * communication - compute)
-    step += _offload_seconds(shape, strategy, pool, trainable)
-    tokens = strategy.gpus * strategy.micro_batch_size * strategy.gradient_accumulation_steps * sequence_length
-    return PlanThroughput.model_construct(tokens_per_second=tokens / step, step_seconds=step)
+    return step + _offload_seconds(shape, strategy, pool, trainable)

@@ -2,6 +2,10 @@
 
 The operator puts the result in the job's ConfigMap; ``memfit run --local`` writes it to a file. Paths
 are where the job's volumes are mounted (in the pod, or the local directories standing in for them).
+
+Every path stays inside its volume: :func:`inside` refuses a path that climbs out (``..``) whatever the job
+object says (the API refuses such paths too, but a job built without validation must not get around it), and
+the config names the volumes (``volumes``) so that the trainer can refuse a path a symlink leads out of.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from pathlib import PurePosixPath
 from memfit.api.finetunejob import FineTuneJob
 from memfit.api.plan import PlanCandidate
 from memfit.contract.trainer_config import (
+    MAX_PATH_LENGTH,
     DataConfig,
     LoraConfig,
     MetricsConfig,
@@ -19,6 +24,7 @@ from memfit.contract.trainer_config import (
     PredictionConfig,
     TrainerConfig,
     TrainingConfig,
+    VolumesConfig,
 )
 from memfit.render.deepspeed import deepspeed_config, default_learning_rate
 
@@ -36,8 +42,28 @@ POD_MOUNTS = Mounts(model="/mnt/model", data="/mnt/data", output="/mnt/output")
 """The trainer pods' mount points (the operator's pod template mounts the PVCs there)."""
 
 
+class PathOutsideVolumeError(ValueError):
+    """A path of the job would lead outside its volume (or is not a path at all)."""
+
+
 def inside(root: str, path: str | None) -> str:
-    return str(PurePosixPath(root) / (path or "").lstrip("/"))
+    """``path`` inside the volume mounted at ``root``: relative to the volume's root, where a leading ``/``
+    is that root too (as in the API). A path that climbs (``..``) or holds control characters is refused,
+    so the result always lies under ``root``."""
+    if not isinstance(root, str) or not root.startswith("/") or ".." in PurePosixPath(root).parts:
+        raise PathOutsideVolumeError(f"volume root {root!r} is not an absolute path without `..`")
+    if path is not None and not isinstance(path, str):
+        raise PathOutsideVolumeError(f"path {path!r} is not a string")
+    relative = path or ""
+    if not relative.isprintable():
+        raise PathOutsideVolumeError(f"path {relative!r} holds control characters")
+    parts = PurePosixPath(relative.lstrip("/")).parts
+    if ".." in parts:
+        raise PathOutsideVolumeError(f"path {relative!r} climbs out of its volume (`..`)")
+    joined = str(PurePosixPath(root).joinpath(*parts))
+    if len(joined) > MAX_PATH_LENGTH:
+        raise PathOutsideVolumeError(f"path {joined[:80]!r}... is longer than {MAX_PATH_LENGTH} characters")
+    return joined
 
 
 def render_trainer_config(
@@ -51,8 +77,9 @@ def render_trainer_config(
     spec, strategy = job.spec, plan.strategy
     shape = spec.model.architecture.shape()
     source = spec.model.source
+    model_volume = None
     if source is not None and source.pvc is not None and mounts.model is not None:
-        name_or_path = inside(mounts.model, source.path)
+        name_or_path, model_volume = inside(mounts.model, source.path), mounts.model
     else:
         name_or_path = spec.model.name
     training = spec.training
@@ -99,4 +126,5 @@ def render_trainer_config(
         ),
         metrics=metrics or MetricsConfig(),
         termination_log=termination_log,
+        volumes=VolumesConfig(model=model_volume, data=mounts.data, output=mounts.output),
     )

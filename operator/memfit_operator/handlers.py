@@ -13,6 +13,8 @@ when nothing changed, so an idle job costs no API calls.
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import logging
 import time
 from collections.abc import Mapping
@@ -21,15 +23,17 @@ from typing import Any
 
 import aiohttp
 import kopf
+from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from memfit.api.finetunejob import FineTuneJobStatus, Progress
 from memfit.api.gpupool import GPUPool
 from memfit.api.loading import describe_validation_error
-from memfit.api.vocabulary import Phase
+from memfit.api.vocabulary import Phase, Reason
 from memfit_operator.cluster_api import GROUP, JOBS, VERSION, ClusterApi, load_credentials
 from memfit_operator.metrics import FOLLOW_HANDLER, OperatorMetrics
-from memfit_operator.objects import JOB_LABEL, RANK_LABEL, attempt_of
+from memfit_operator.objects import attempt_of, owned_pods, owner_of
+from memfit_operator.peering import announce_missing_peering
 from memfit_operator.progress import fetch_progress, rank0_address
 from memfit_operator.reconcile import ACTIVE, Decision, Observation, reconcile
 from memfit_operator.settings import OperatorSettings
@@ -50,6 +54,7 @@ class Runtime:
         self.metrics = OperatorMetrics()
         self.cluster = ClusterApi(load_credentials())
         self.http: aiohttp.ClientSession | None = None
+        self.peering_notice: asyncio.Task[None] | None = None
         self._wakeups: dict[tuple[str, str], asyncio.Event] = {}
 
     def wakeup(self, namespace: str, name: str) -> asyncio.Event:
@@ -86,23 +91,34 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="memfit.dev")
     settings.posting.reporting_component = "memfit-operator"
     settings.watching.label_selectors["v1", "pods"] = MANAGED_BY  # the server filters: no cluster-wide pod stream
+    peering = settings.peering
+    if peering.mandatory and not peering.standalone and (peering.clusterwide or operator_settings.namespace):
+        # kopf waits for the peering object in silence: say which one, and how to get out, while it is missing.
+        namespace = None if peering.clusterwide else operator_settings.namespace
+        lookup = functools.partial(runtime.cluster.peering, namespace, peering.name)
+        every = operator_settings.peering_notice_seconds
+        runtime.peering_notice = asyncio.create_task(announce_missing_peering(lookup, namespace, peering.name, every))
 
 
 @kopf.on.cleanup()
 async def close(memo: kopf.Memo, **_: Any) -> None:
     runtime: Runtime | None = memo.get("runtime")
+    if runtime is not None and runtime.peering_notice is not None:
+        runtime.peering_notice.cancel()
     if runtime is not None and runtime.http is not None:
         await runtime.http.close()
 
 
 @kopf.index("", "v1", "pods", labels={"app.kubernetes.io/managed-by": "memfit"})
-def trainer_pods(namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> dict[Any, Any]:
-    """Pods by (namespace, job name): the parts the reconciler reads."""
-    job = labels.get(JOB_LABEL)
-    if job is None:
+def trainer_pods(namespace: str | None, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    """Pods by (namespace, name of the FineTuneJob that controls them, by owner reference): the parts the
+    reconciler reads. A pod no FineTuneJob controls is left out, whatever its labels say."""
+    metadata = _plain(body.get("metadata", {}))
+    owner = owner_of({"metadata": metadata})
+    if owner is None:
         return {}
-    pod = {"metadata": {"name": body.metadata.name, "labels": dict(labels)}, "status": _plain(body.get("status", {}))}
-    return {(namespace, job): pod}
+    kept = {key: metadata.get(key) for key in ("name", "labels", "ownerReferences")}
+    return {(namespace, owner[0]): {"metadata": kept, "status": _plain(body.get("status", {}))}}
 
 
 @kopf.index(GROUP, VERSION, "gpupools")
@@ -118,10 +134,11 @@ def gpu_pools(name: str, body: kopf.Body, logger: kopf.Logger, **_: Any) -> dict
 
 
 @kopf.on.event("", "v1", "pods", labels={"app.kubernetes.io/managed-by": "memfit"})
-def pod_changed(namespace: str | None, labels: Mapping[str, str], memo: kopf.Memo, **_: Any) -> None:
+def pod_changed(namespace: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     runtime: Runtime | None = memo.get("runtime")
-    if runtime is not None:
-        runtime.wake(namespace, labels.get(JOB_LABEL))
+    owner = owner_of({"metadata": _plain(body.get("metadata", {}))})
+    if runtime is not None and owner is not None:
+        runtime.wake(namespace, owner[0])
 
 
 @kopf.on.event(GROUP, VERSION, JOBS)
@@ -129,6 +146,10 @@ def job_changed(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> 
     runtime: Runtime | None = memo.get("runtime")
     if runtime is not None:
         runtime.wake(namespace, name)
+
+
+class ChildrenRefused(Exception):
+    """The API server refused to create some of a job's children (reported on the job as a Warning)."""
 
 
 class JobFollower:
@@ -143,20 +164,26 @@ class JobFollower:
         self.progress_read_at = 0.0
         self.created: dict[tuple[str, str], float] = {}
         """(kind, name) -> when this daemon created it (or found it existing)."""
+        self.refused: set[str] = set()
+        """Refusals of creates by the API server already posted as Events (once each, not every pass)."""
 
     async def pass_once(self, body: kopf.Body, pods: list[dict[str, Any]], pools: list[GPUPool]) -> None:
         job = {key: _plain(body.get(key)) for key in ("apiVersion", "kind", "metadata", "spec")}
         job["status"] = self.written if self.written is not None else _plain(body.get("status") or {})
         status = FineTuneJobStatus.model_validate(job["status"] or {})
-        await self._read_progress(status, pods)
+        # Only pods this job controls (owner reference with its uid): the index keys pods by the owner's name,
+        # which a job deleted and created again under the same name shares with its predecessor.
+        pods = [dict(p) for p in owned_pods(pods, (job.get("metadata") or {}).get("uid"))]
+        await self._read_progress(status, job, pods)
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         observation = Observation(job, pods, pools, self.progress, now)
+        settings = self.runtime.settings
         # Planning is CPU work (milliseconds to tens of them): off the event loop, so watches and probes stay live.
-        decision = await asyncio.to_thread(reconcile, observation, self.runtime.settings.trainer_image)
+        decision = await asyncio.to_thread(reconcile, observation, settings.trainer_image, settings.trainer_options())
         self.progress = None
         await self._apply(body, job["status"] or {}, decision)
 
-    async def _read_progress(self, status: FineTuneJobStatus, pods: list[dict[str, Any]]) -> None:
+    async def _read_progress(self, status: FineTuneJobStatus, job: dict[str, Any], pods: list[dict[str, Any]]) -> None:
         """Read rank 0's progress at most every progress_seconds, while the job runs."""
         settings, runtime = self.runtime.settings, self.runtime
         if status.phase is not Phase.RUNNING or status.plan is None or not status.attempts or runtime.http is None:
@@ -166,7 +193,7 @@ class JobFollower:
         self.progress_read_at = time.monotonic()
         current = str(status.attempts[-1].number)
         attempt_pods = [p for p in pods if attempt_of(p) == current]
-        address = rank0_address(attempt_pods, RANK_LABEL)
+        address = rank0_address(attempt_pods, (job.get("metadata") or {}).get("uid"))
         if address is not None:
             port, world = settings.trainer_metrics_port, status.plan.strategy.gpus
             self.progress = await fetch_progress(runtime.http, address, port, world)
@@ -181,12 +208,18 @@ class JobFollower:
         for pod in decision.delete:
             await asyncio.to_thread(cluster.delete_pod, self.namespace, pod)
         now = time.monotonic()
+        refusals: list[str] = []
         for manifest in decision.create:
             key = (manifest["kind"], manifest["metadata"]["name"])
             if now - self.created.get(key, -INDEX_LAG_SECONDS) < INDEX_LAG_SECONDS:
                 continue  # created moments ago: the pod index has not seen it yet, asking again is a sure 409
-            await asyncio.to_thread(cluster.create, manifest)
+            try:
+                await asyncio.to_thread(cluster.create, manifest)
+            except ApiException as error:  # the others are still created, the Events still posted
+                refusals.append(self._refused(body, manifest, error))
+                continue
             self.created[key] = now
+        self.refused &= set(refusals)
         for event in decision.events:
             kopf.event(body, type=event.type, reason=event.reason, message=event.message[:1000])
             # The operator's log tells the story too (a plain logger: kopf posts its object logger's lines as
@@ -200,6 +233,19 @@ class JobFollower:
         if decision.replanned_after_oom:
             metrics.oom_replans.inc()
         metrics.job_status(self.key, decision.status)
+        if refusals:  # the pass failed (counted, and reported above); the next one tries again
+            raise ChildrenRefused("; ".join(refusals))
+
+    def _refused(self, body: kopf.Body, manifest: Mapping[str, Any], error: ApiException) -> str:
+        """A child the API server will not create (admission, quota, RBAC, an invalid field) leaves the job
+        waiting in Launching: say so on the job, once per distinct refusal, not on every pass."""
+        message = (f"the API server refused {manifest['kind']} {manifest['metadata']['name']}: "
+                   f"{error.status} {error.reason}: {_api_message(error)}")  # fmt: skip
+        if message not in self.refused:
+            self.refused.add(message)
+            kopf.event(body, type="Warning", reason=Reason.LAUNCHING, message=message[:1000])
+            log.warning(f"[{self.key}] {Reason.LAUNCHING}: {message}")
+        return message
 
 
 # kopf passes the indexes by name (trainer_pods, gpu_pools) and a namespaced object's namespace as a str; its
@@ -227,6 +273,8 @@ async def follow_job(
                 pods = list(trainer_pods.get((namespace, name), []))
                 pools = list(gpu_pools.get(None, []))
                 await follower.pass_once(body, pods, pools)
+            except ChildrenRefused:  # already an Event and a log line: count it, retry next pass
+                runtime.metrics.handler_errors.labels(FOLLOW_HANDLER).inc()
             except Exception:  # one bad pass must not end the job's daemon: log, count, retry next pass
                 runtime.metrics.handler_errors.labels(FOLLOW_HANDLER).inc()
                 logger.exception("reconcile pass failed; retrying")
@@ -236,6 +284,14 @@ async def follow_job(
     finally:
         runtime.forget(namespace, name)
         runtime.metrics.job_gone(follower.key)
+
+
+def _api_message(error: ApiException) -> str:
+    """The Status message of an API error (what kubectl prints), else its body."""
+    try:
+        return str(json.loads(error.body or "").get("message") or error.body)
+    except (ValueError, AttributeError):
+        return str(error.body)
 
 
 def _interval(runtime: Runtime, follower: JobFollower) -> float:

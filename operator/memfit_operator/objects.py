@@ -2,19 +2,32 @@
 
 No cluster, no client: each function turns the job, its plan and its pool into a plain manifest dict,
 so every field can be tested exhaustively. One attempt = a ConfigMap (trainer and DeepSpeed configs), a
-headless Service (stable DNS for rendezvous) and one Pod per node rank, all owned by the job.
+headless Service (stable DNS for rendezvous), optionally a NetworkPolicy, and one Pod per node rank, all
+owned by the job.
+
+Child names: a FineTuneJob's name is any DNS subdomain (up to 253 characters, dots allowed, a digit first),
+but a Service name must be a DNS-1035 label (63, a letter first, no dots), a pod's hostname and subdomain
+DNS-1123 labels (63, no dots) and a label value at most 63 characters. Each child name is the job's name
+with its suffix where that is valid as is; otherwise it is derived: dots become dashes, a Service name that
+would start with a digit gets the prefix ``ftj-``, the name is cut to fit, and a short hash of the job's
+full name is added, so the result is valid, deterministic and distinct from other jobs' children.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections.abc import Mapping
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from memfit.api.base import API_VERSION
+from memfit.api.base import API_VERSION, GROUP
 from memfit.api.finetunejob import FineTuneJob
 from memfit.api.gpupool import GPU_PRODUCT_LABEL, GPUPool, pool_capacity
 from memfit.api.plan import PlanCandidate
+from memfit.api.vocabulary import Offload
 from memfit.contract.trainer_config import MetricsConfig, TrainerConfig
 from memfit.render.deepspeed import NVME_PATH
 from memfit.render.trainer_config import POD_MOUNTS
@@ -28,6 +41,32 @@ RENDEZVOUS_PORT = 29500
 METRICS_PORT = 9400
 GPU_RESOURCE = "nvidia.com/gpu"
 SHM_LIMIT = "16Gi"
+GIB = 1024**3
+MIB = 1024**2
+
+TMP_DIR = "/tmp"
+CACHE_DIR = "/var/cache/memfit"
+"""Hugging Face downloads and datasets (HF_HOME), XDG caches, Triton and CUDA JIT caches, HOME."""
+TORCH_EXTENSIONS_DIR = "/var/cache/torch_extensions"
+"""DeepSpeed's JIT-compiled ops (the trainer image ships them prebuilt; an op it lacks is built here)."""
+TMP_BYTES = 4 * GIB
+"""/tmp: torchrun's error files, the progress file, small temporary files."""
+TORCH_EXTENSIONS_BYTES = 2 * GIB
+DEFAULT_CACHE_BYTES = 50 * GIB
+"""Room for the Hugging Face datasets cache (Arrow files of the dataset) and the other caches, besides the
+model weights a Hub download adds (settings.trainer_cache_gib)."""
+WEIGHT_BYTES_PER_PARAMETER = 2
+"""A checkpoint on disk: 16-bit safetensors (what the Hub serves for the models memfit knows)."""
+DISK_MARGIN = 1.1
+HOST_MEMORY_LIMIT_MARGIN = 1.25
+"""The memory limit is the planned host memory plus a quarter (never above the node's declared memory):
+the plan is an estimate, and an OOM kill costs the gang a restart."""
+CPUS_PER_RANK = 2
+"""CPU cores requested per rank (one process per GPU: its Python thread, data loading, NCCL proxies)."""
+CPUS_PER_RANK_OFFLOADING = 4
+"""Per rank when states are offloaded to CPU memory or NVMe: DeepSpeed's CPU Adam and async I/O threads."""
+CPU_LIMIT_FACTOR = 2
+"""CPU limit = request x this: bursts (checkpoint writes, data loading) are not throttled at once."""
 
 JOB_LABEL = "memfit.dev/job"
 ATTEMPT_LABEL = "memfit.dev/attempt"
@@ -40,7 +79,49 @@ RESTRICTED_SECURITY_CONTEXT: dict[str, Any] = {
     "allowPrivilegeEscalation": False,
     "capabilities": {"drop": ["ALL"]},
     "seccompProfile": {"type": "RuntimeDefault"},
+    "readOnlyRootFilesystem": True,
 }
+
+
+HASH_LENGTH = 8
+DNS_LABEL_MAX = 63
+DNS_SUBDOMAIN_MAX = 253
+LABEL_VALUE_MAX = 63
+SERVICE_PREFIX = "ftj-"
+"""Prepended to a derived Service name that would start with a digit (DNS-1035 wants a letter)."""
+DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+DNS1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
+
+
+def name_hash(name: str) -> str:
+    """A short, stable hash of a job's name (hex: valid in every kind of name)."""
+    return hashlib.sha256(name.encode()).hexdigest()[:HASH_LENGTH]
+
+
+def _derived(name: str, suffix: str, limit: int, valid: re.Pattern[str], prefix: str = "") -> str:
+    """``name + suffix`` when ``valid`` takes it within ``limit`` characters; else the name made safe (dots
+    to dashes, ``prefix`` where it must start with a letter), cut to fit, with the hash of the full name."""
+    plain = name + suffix
+    if len(plain) <= limit and valid.fullmatch(plain):
+        return plain
+    base = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")
+    if prefix and not base[:1].isalpha():
+        base = prefix + base
+    room = limit - len(suffix) - HASH_LENGTH - 1
+    base = base[:room].rstrip("-")
+    return f"{base}-{name_hash(name)}{suffix}" if base else f"{prefix}{name_hash(name)}{suffix}"
+
+
+def job_label(name: str) -> str:
+    """The value of the job label of a job with this name: the name, or a derived one past 63 characters."""
+    return _derived(name, "", LABEL_VALUE_MAX, LABEL_VALUE)
+
+
+def job_label_value(job: FineTuneJob) -> str:
+    """The value of the job label on every child of ``job``."""
+    return job_label(job.metadata.name)
 
 
 def labels(job: FineTuneJob, attempt: int | None = None) -> dict[str, str]:
@@ -48,7 +129,7 @@ def labels(job: FineTuneJob, attempt: int | None = None) -> dict[str, str]:
     result = {
         "app.kubernetes.io/name": "memfit-trainer",
         "app.kubernetes.io/managed-by": "memfit",
-        JOB_LABEL: job.metadata.name,
+        JOB_LABEL: job_label_value(job),
     }
     if attempt is not None:
         result[ATTEMPT_LABEL] = str(attempt)
@@ -58,6 +139,28 @@ def labels(job: FineTuneJob, attempt: int | None = None) -> dict[str, str]:
 def attempt_of(pod: Mapping[str, Any]) -> str | None:
     """The attempt number a pod's label says it belongs to."""
     return (pod.get("metadata", {}).get("labels") or {}).get(ATTEMPT_LABEL)
+
+
+def owner_of(pod: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(name, uid) of the FineTuneJob that controls a pod, by its owner reference; None for a pod no
+    FineTuneJob controls (labels alone prove nothing: anyone who can create pods can copy them)."""
+    for owner in (pod.get("metadata") or {}).get("ownerReferences") or []:
+        api_version = str(owner.get("apiVersion", ""))
+        if owner.get("controller") and owner.get("kind") == "FineTuneJob" and api_version.startswith(GROUP + "/"):
+            name, uid = owner.get("name"), owner.get("uid")
+            if name and uid:
+                return str(name), str(uid)
+    return None
+
+
+def owned_by(pod: Mapping[str, Any], job_uid: str | None) -> bool:
+    """Whether the FineTuneJob with this uid controls the pod (created it, as the operator does)."""
+    owner = owner_of(pod)
+    return job_uid is not None and owner is not None and owner[1] == job_uid
+
+
+def owned_pods(pods: Sequence[Mapping[str, Any]], job_uid: str | None) -> list[Mapping[str, Any]]:
+    return [pod for pod in pods if owned_by(pod, job_uid)]
 
 
 def owner_reference(job: FineTuneJob) -> dict[str, Any]:
@@ -84,19 +187,25 @@ def _metadata(job: FineTuneJob, name: str, attempt: int | None = None) -> dict[s
 
 
 def service_name(job: FineTuneJob) -> str:
-    return job.metadata.name
+    """The headless Service, and the pods' subdomain: a DNS-1035 label."""
+    return _derived(job.metadata.name, "", DNS_LABEL_MAX, DNS1035_LABEL, prefix=SERVICE_PREFIX)
 
 
 def config_map_name(job: FineTuneJob, attempt: int) -> str:
-    return f"{job.metadata.name}-a{attempt}"
+    return _derived(job.metadata.name, f"-a{attempt}", DNS_SUBDOMAIN_MAX, DNS1123_SUBDOMAIN)
+
+
+def network_policy_name(job: FineTuneJob, attempt: int) -> str:
+    return config_map_name(job, attempt)
 
 
 def pod_name(job: FineTuneJob, attempt: int, node_rank: int) -> str:
-    return f"{job.metadata.name}-a{attempt}-n{node_rank}"
+    return _derived(job.metadata.name, f"-a{attempt}-n{node_rank}", DNS_SUBDOMAIN_MAX, DNS1123_SUBDOMAIN)
 
 
 def hostname(job: FineTuneJob, node_rank: int) -> str:
-    return f"{job.metadata.name}-n{node_rank}"
+    """A pod's hostname: a DNS-1123 label."""
+    return _derived(job.metadata.name, f"-n{node_rank}", DNS_LABEL_MAX, DNS1123_LABEL)
 
 
 def master_address(job: FineTuneJob) -> str:
@@ -137,7 +246,7 @@ def headless_service(job: FineTuneJob) -> dict[str, Any]:
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
-            "selector": {JOB_LABEL: job.metadata.name},
+            "selector": {JOB_LABEL: job_label_value(job)},
             "ports": [
                 {"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT},
                 {"name": "metrics", "port": METRICS_PORT, "targetPort": METRICS_PORT},
@@ -146,18 +255,71 @@ def headless_service(job: FineTuneJob) -> dict[str, Any]:
     }
 
 
-def _volumes(job: FineTuneJob, attempt: int, nvme: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+@dataclass(frozen=True)
+class TrainerOptions:
+    """How this operator builds trainer pods beyond the job and its plan (its settings)."""
+
+    cache_bytes: int = DEFAULT_CACHE_BYTES
+    """Room in the cache volume besides downloaded weights (datasets cache and the rest)."""
+    network_policy: bool = False
+    """Create a NetworkPolicy per attempt: the gang's pods reach each other, ``metrics_peers`` reach the
+    metrics ports, nothing else reaches the pods."""
+    metrics_peers: tuple[Mapping[str, Any], ...] = ()
+    """NetworkPolicy peers allowed to the metrics ports (the operator, Prometheus)."""
+
+
+def quantity(size: int) -> str:
+    """Bytes as a Kubernetes quantity, rounded up to a whole MiB."""
+    return f"{math.ceil(size / MIB)}Mi"
+
+
+def weights_on_disk(plan: PlanCandidate) -> int:
+    """Bytes of the model's checkpoint files."""
+    return math.ceil(plan.parameter_count * WEIGHT_BYTES_PER_PARAMETER * DISK_MARGIN)
+
+
+def _downloads_weights(job: FineTuneJob) -> bool:
+    source = job.spec.model.source
+    return not job.spec.model.random_init and (source is None or source.pvc is None)
+
+
+def _uses_nvme(plan: PlanCandidate) -> bool:
+    return Offload.NVME in (plan.strategy.offload_optimizer, plan.strategy.offload_parameters)
+
+
+def volume_sizes(job: FineTuneJob, plan: PlanCandidate, pool: GPUPool, options: TrainerOptions) -> dict[str, int]:
+    """sizeLimit of each scratch emptyDir, in bytes: what the plan says lands there, plus fixed room."""
+    weights = weights_on_disk(plan)
+    sizes = {
+        # The trainer builds a random-init model in a temporary directory (its weights are written once).
+        "tmp": TMP_BYTES + (weights if job.spec.model.random_init else 0),
+        "cache": options.cache_bytes + (weights if _downloads_weights(job) else 0),
+        "torch-extensions": TORCH_EXTENSIONS_BYTES,
+    }
+    if _uses_nvme(plan):  # offloaded states on the node's local disk: the planned bytes, within the pool's NVMe
+        planned = plan.memory.per_node.nvme
+        sizes["nvme"] = max(planned, min(math.ceil(planned * DISK_MARGIN), pool_capacity(pool).nvme_bytes_per_node))
+    return sizes
+
+
+def _volumes(
+    job: FineTuneJob, plan: PlanCandidate, pool: GPUPool, attempt: int, options: TrainerOptions
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The pod's volumes and the container's mounts. The root filesystem is read-only: every place the
+    trainer writes is a volume of its own, each scratch one with a sizeLimit."""
     spec = job.spec
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": config_map_name(job, attempt)}},
         {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_LIMIT}},
-        {"name": "scratch", "emptyDir": {}},
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
         {"name": "shm", "mountPath": "/dev/shm"},
-        {"name": "scratch", "mountPath": "/tmp"},
     ]
+    paths = {"tmp": TMP_DIR, "cache": CACHE_DIR, "torch-extensions": TORCH_EXTENSIONS_DIR, "nvme": NVME_PATH}
+    for name, size in volume_sizes(job, plan, pool, options).items():  # the node's local disk (NVMe on GPU nodes)
+        volumes.append({"name": name, "emptyDir": {"sizeLimit": quantity(size)}})
+        mounts.append({"name": name, "mountPath": paths[name]})
     claims: list[tuple[str, str | None, str | None, bool]] = [
         ("data", spec.dataset.source.pvc, POD_MOUNTS.data, True),
         ("output", spec.output.pvc, POD_MOUNTS.output, False),
@@ -169,17 +331,29 @@ def _volumes(job: FineTuneJob, attempt: int, nvme: bool) -> tuple[list[dict[str,
             continue
         volumes.append({"name": name, "persistentVolumeClaim": {"claimName": claim, "readOnly": read_only}})
         mounts.append({"name": name, "mountPath": path, "readOnly": read_only})
-    if nvme:
-        volumes.append({"name": "nvme", "emptyDir": {}})  # the node's local disk (NVMe on GPU nodes)
-        mounts.append({"name": "nvme", "mountPath": NVME_PATH})
     return volumes, mounts
 
 
-def _environment(job: FineTuneJob) -> list[dict[str, Any]]:
+def cpus_per_rank(plan: PlanCandidate) -> int:
+    offloading = {plan.strategy.offload_optimizer, plan.strategy.offload_parameters} - {Offload.NONE}
+    return CPUS_PER_RANK_OFFLOADING if offloading else CPUS_PER_RANK
+
+
+def _environment(job: FineTuneJob, plan: PlanCandidate) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
-        {"name": "OMP_NUM_THREADS", "value": "4"},
+        {"name": "OMP_NUM_THREADS", "value": str(cpus_per_rank(plan) * CPU_LIMIT_FACTOR)},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
+        {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
         {"name": "MEMFIT_JOB", "value": f"{job.metadata.namespace}/{job.metadata.name}"},
+        # The root filesystem is read-only: every cache and home directory points into a writable volume.
+        {"name": "TMPDIR", "value": TMP_DIR},
+        {"name": "HOME", "value": CACHE_DIR},
+        {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
+        {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+        {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
+        {"name": "TORCHINDUCTOR_CACHE_DIR", "value": f"{CACHE_DIR}/torchinductor"},
+        {"name": "CUDA_CACHE_PATH", "value": f"{CACHE_DIR}/nv"},
+        {"name": "TORCH_EXTENSIONS_DIR", "value": TORCH_EXTENSIONS_DIR},
     ]
     source = job.spec.model.source
     if source is not None and source.token_secret_ref is not None:
@@ -188,6 +362,22 @@ def _environment(job: FineTuneJob) -> list[dict[str, Any]]:
     if source is None or source.pvc is not None:
         env.append({"name": "HF_HUB_OFFLINE", "value": "1"})  # weights are on a volume: never reach out
     return env
+
+
+def resources(plan: PlanCandidate, pool: GPUPool) -> dict[str, dict[str, str]]:
+    """GPUs, CPU and memory of one node rank. Memory: the plan's host memory of the node (offloaded states,
+    model loading, each rank's runtime) as the request; the limit a quarter above it, never above the
+    node's declared memory. CPU: cores per rank by the plan's offload, the limit twice that."""
+    strategy = plan.strategy
+    gpus = str(strategy.gpus_per_node)
+    memory = plan.memory.per_node.cpu
+    node_memory = pool_capacity(pool).cpu_memory_bytes_per_node
+    memory_limit = max(memory, min(math.ceil(memory * HOST_MEMORY_LIMIT_MARGIN), node_memory))
+    cpus = cpus_per_rank(plan) * strategy.gpus_per_node
+    return {
+        "requests": {GPU_RESOURCE: gpus, "cpu": str(cpus), "memory": quantity(memory)},
+        "limits": {GPU_RESOURCE: gpus, "cpu": str(cpus * CPU_LIMIT_FACTOR), "memory": quantity(memory_limit)},
+    }
 
 
 def metrics_ports(ranks_per_node: int) -> list[dict[str, Any]]:
@@ -200,13 +390,18 @@ def metrics_ports(ranks_per_node: int) -> list[dict[str, Any]]:
 
 
 def trainer_pod(
-    job: FineTuneJob, plan: PlanCandidate, pool: GPUPool, attempt: int, node_rank: int, image: str
+    job: FineTuneJob,
+    plan: PlanCandidate,
+    pool: GPUPool,
+    attempt: int,
+    node_rank: int,
+    image: str,
+    options: TrainerOptions | None = None,
 ) -> dict[str, Any]:
     """One node rank of the gang: torchrun starting one trainer process per GPU of the node."""
     strategy = plan.strategy
     capacity = pool_capacity(pool)
-    nvme = "nvme" in (strategy.offload_optimizer, strategy.offload_parameters)
-    volumes, mounts = _volumes(job, attempt, nvme)
+    volumes, mounts = _volumes(job, plan, pool, attempt, options or TrainerOptions())
     command = [
         "torchrun",
         f"--nnodes={strategy.nodes}",
@@ -225,7 +420,6 @@ def trainer_pod(
         {k: v for k, v in job.metadata.labels.items() if k.startswith(PASSTHROUGH_LABEL_PREFIXES)}
     )
     metadata["annotations"] = {"prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT)}
-    gpus = str(strategy.gpus_per_node)
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -250,12 +444,12 @@ def trainer_pod(
                     "name": "trainer",
                     "image": image,
                     "command": command,
-                    "env": _environment(job),
+                    "env": _environment(job, plan),
                     "ports": [
                         {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT},
                         *metrics_ports(strategy.gpus_per_node),
                     ],
-                    "resources": {"limits": {GPU_RESOURCE: gpus}, "requests": {GPU_RESOURCE: gpus}},
+                    "resources": resources(plan, pool),
                     "volumeMounts": mounts,
                     "terminationMessagePath": TERMINATION_LOG,
                     "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -266,9 +460,34 @@ def trainer_pod(
     }
 
 
+def network_policy(job: FineTuneJob, plan: PlanCandidate, attempt: int, options: TrainerOptions) -> dict[str, Any]:
+    """Ingress of one attempt's pods: from the pods of the same attempt on any port (torchrun's rendezvous
+    on 29500, and NCCL's and Gloo's bootstrap and data sockets, which listen on ephemeral ports), and from
+    ``options.metrics_peers`` on the metrics ports. Nothing else reaches them while it exists."""
+    gang = {"app.kubernetes.io/managed-by": "memfit", JOB_LABEL: job_label_value(job), ATTEMPT_LABEL: str(attempt)}
+    ingress: list[dict[str, Any]] = [{"from": [{"podSelector": {"matchLabels": gang}}]}]
+    if options.metrics_peers:
+        ports = [{"protocol": "TCP", "port": METRICS_PORT + rank} for rank in range(plan.strategy.gpus_per_node)]
+        ingress.append({"from": [dict(peer) for peer in options.metrics_peers], "ports": ports})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(job, network_policy_name(job, attempt), attempt),
+        "spec": {"podSelector": {"matchLabels": gang}, "policyTypes": ["Ingress"], "ingress": ingress},
+    }
+
+
 def attempt_objects(
-    job: FineTuneJob, plan: PlanCandidate, pool: GPUPool, trainer_config: TrainerConfig, attempt: int, image: str
+    job: FineTuneJob,
+    plan: PlanCandidate,
+    pool: GPUPool,
+    trainer_config: TrainerConfig,
+    attempt: int,
+    image: str,
+    options: TrainerOptions | None = None,
 ) -> list[dict[str, Any]]:
-    """Everything one attempt needs, in creation order."""
-    pods = [trainer_pod(job, plan, pool, attempt, rank, image) for rank in range(plan.strategy.nodes)]
-    return [config_map(job, trainer_config, attempt), headless_service(job), *pods]
+    """Everything one attempt needs, in creation order (the NetworkPolicy before the pods it isolates)."""
+    options = options or TrainerOptions()
+    pods = [trainer_pod(job, plan, pool, attempt, rank, image, options) for rank in range(plan.strategy.nodes)]
+    policy = [network_policy(job, plan, attempt, options)] if options.network_policy else []
+    return [config_map(job, trainer_config, attempt), headless_service(job), *policy, *pods]

@@ -5,10 +5,18 @@ current attempt's rank 0 (the names are the trainer's, memfit.contract.progress)
 ``status.progress``. Tokens per second: rank 0's recent rate times the world size, the same estimate the
 trainer's progress file gives. Nothing here invents a number: a series the trainer has not exported yet
 stays null.
+
+A pod's address is only as trustworthy as the pod: only a pod the job controls (its owner reference carries
+the job's uid; labels alone can be copied by anyone who may create pods) is scraped, the reply is bounded in
+time (``SCRAPE_TIMEOUT_SECONDS``, connection to last byte) and size (``SCRAPE_MAX_BYTES``, after
+decompression), redirects are not followed, and the text is parsed in a worker thread, never on the event
+loop that serves every job, watch and probe of the operator.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -24,8 +32,14 @@ from memfit.contract.progress import (
     TOKENS_PER_SECOND_METRIC,
     TOTAL_STEPS_METRIC,
 )
+from memfit_operator.objects import RANK_LABEL, owned_by
 
 SCRAPE_TIMEOUT_SECONDS = 3.0
+SCRAPE_MAX_BYTES = 1024**2
+"""Rank 0's exposition is a few KiB (its own series and the process collector's); a MiB parses in tens of
+milliseconds. A larger reply is refused unread past this."""
+CHUNK_BYTES = 64 * 1024
+log = logging.getLogger("memfit.operator")
 
 
 def _rfc3339(moment: datetime) -> str:
@@ -57,22 +71,61 @@ def parse_trainer_metrics(text: str, world_size: int, now: datetime) -> Progress
     )
 
 
-def rank0_address(pods: Sequence[Mapping[str, Any]], rank_label: str) -> str | None:
-    """The pod IP of node rank 0 among an attempt's pods, once it has one."""
+def rank0_address(pods: Sequence[Mapping[str, Any]], job_uid: str | None) -> str | None:
+    """The pod IP of node rank 0 among an attempt's pods, once it has one; only a pod the job with
+    ``job_uid`` controls counts."""
     for pod in pods:
-        if (pod.get("metadata", {}).get("labels") or {}).get(rank_label) == "0":
+        if (pod.get("metadata", {}).get("labels") or {}).get(RANK_LABEL) == "0" and owned_by(pod, job_uid):
             return (pod.get("status") or {}).get("podIP")
     return None
 
 
-async def fetch_progress(session: aiohttp.ClientSession, address: str, port: int, world_size: int) -> Progress | None:
-    """GET rank 0's /metrics; None when it does not answer (starting up, or gone)."""
+class ScrapeRefused(Exception):
+    """The reply is not one the operator reads (too large)."""
+
+
+async def _read_bounded(response: aiohttp.ClientResponse, max_bytes: int) -> bytes:
+    if response.content_length is not None and response.content_length > max_bytes:
+        raise ScrapeRefused(f"Content-Length {response.content_length} is over {max_bytes} bytes")
+    body = bytearray()
+    async for chunk in response.content.iter_chunked(CHUNK_BYTES):
+        body += chunk
+        if len(body) > max_bytes:
+            raise ScrapeRefused(f"the reply is over {max_bytes} bytes")
+    return bytes(body)
+
+
+def _parse(body: bytes, world_size: int) -> Progress | None:
+    try:
+        return parse_trainer_metrics(body.decode("utf-8", errors="replace"), world_size, datetime.now(UTC))
+    except ValueError as error:  # not the exposition format
+        raise ScrapeRefused(f"not Prometheus text: {str(error)[:200]}") from error
+
+
+async def fetch_progress(
+    session: aiohttp.ClientSession,
+    address: str,
+    port: int,
+    world_size: int,
+    *,
+    timeout: float = SCRAPE_TIMEOUT_SECONDS,
+    max_bytes: int = SCRAPE_MAX_BYTES,
+) -> Progress | None:
+    """GET rank 0's /metrics; None when it does not answer in ``timeout`` seconds (starting up, or gone) or
+    answers with something the operator does not read (over ``max_bytes``, not the exposition format)."""
     url = f"http://{address}:{port}/metrics"
     try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_SECONDS)) as response:
-            if response.status != 200:
-                return None
-            text = await response.text()
+        async with asyncio.timeout(timeout):  # the whole exchange, however slowly the bytes trickle in
+            async with session.get(
+                url, timeout=aiohttp.ClientTimeout(total=timeout), allow_redirects=False
+            ) as response:
+                if response.status != 200:
+                    return None
+                body = await _read_bounded(response, max_bytes)
+        # Parsing is CPU work (bounded by max_bytes): in a worker thread, so the event loop stays live.
+        return await asyncio.to_thread(_parse, body, world_size)
     except (aiohttp.ClientError, TimeoutError, OSError):
         return None
-    return parse_trainer_metrics(text, world_size, datetime.now(UTC))
+    except ScrapeRefused as refused:
+        log.warning(f"rank 0's metrics at {url} ignored: {refused}")
+        return None

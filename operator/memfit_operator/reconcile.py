@@ -30,7 +30,7 @@ from memfit.planner.replan import checkpoint_layout, replan_after_oom
 from memfit.planner.search import PlanningError, plan_job
 from memfit.planner.throughput import peak_flops
 from memfit.render.trainer_config import render_trainer_config
-from memfit_operator.objects import attempt_objects, attempt_of, pod_name
+from memfit_operator.objects import TrainerOptions, attempt_objects, attempt_of, owned_pods, pod_name
 from memfit_operator.status import (
     GangState,
     gang_state,
@@ -61,7 +61,8 @@ class Observation:
     job: Mapping[str, Any]
     """The FineTuneJob as the API server returns it (metadata with uid and generation, spec, status)."""
     pods: Sequence[Mapping[str, Any]]
-    """The job's pods, of any attempt."""
+    """The job's pods, of any attempt. Only pods the job controls count (owner reference with the job's uid):
+    a pod that merely carries the job's labels is neither followed, scraped nor deleted."""
     pools: Sequence[GPUPool]
     progress: Progress | None
     """Training progress read from the current attempt's rank 0 (None when nothing was read)."""
@@ -86,10 +87,11 @@ class Decision:
 class _Pass:
     """One reconcile pass over a job: the draft decision and the helpers that fill it."""
 
-    def __init__(self, observation: Observation, image: str) -> None:
-        self.observation, self.image = observation, image
+    def __init__(self, observation: Observation, image: str, options: TrainerOptions) -> None:
+        self.observation, self.image, self.options = observation, image, options
         metadata = observation.job.get("metadata") or {}
         self.generation: int | None = metadata.get("generation")
+        self.pods = owned_pods(observation.pods, metadata.get("uid"))
         self.decision = Decision(status=_read_status(observation.job.get("status")))
         self.previous_phase = self.decision.status.phase
 
@@ -118,7 +120,7 @@ class _Pass:
     def attempt_pods(self, attempt: Attempt | None) -> list[Mapping[str, Any]]:
         if attempt is None:
             return []
-        return [p for p in self.observation.pods if attempt_of(p) == str(attempt.number)]
+        return [p for p in self.pods if attempt_of(p) == str(attempt.number)]
 
     def delete_pods(self, pods: Sequence[Mapping[str, Any]]) -> None:
         self.decision.delete.extend(p["metadata"]["name"] for p in pods)
@@ -129,11 +131,13 @@ def _read_status(raw: Mapping[str, Any] | None) -> FineTuneJobStatus:
     return FineTuneJobStatus.model_validate(raw or {})
 
 
-def reconcile(observation: Observation, image: str) -> Decision:
-    """Decide what to do about one job (see the module docstring)."""
-    run = _Pass(observation, image)
+def reconcile(observation: Observation, image: str, options: TrainerOptions | None = None) -> Decision:
+    """Decide what to do about one job (see the module docstring); ``options``: how trainer pods are built
+    beyond the job and its plan (the operator's settings)."""
+    run = _Pass(observation, image, options or TrainerOptions())
     status = run.status
-    if status.launched_spec is None and status.observed_generation != run.generation:
+    spec_changed = status.observed_generation != run.generation
+    if status.launched_spec is None and spec_changed:
         status.plan = None  # the spec changed before the first launch (e.g. created suspended): plan it anew
     status.observed_generation = run.generation
     if observation.progress is not None:
@@ -145,8 +149,8 @@ def reconcile(observation: Observation, image: str) -> Decision:
         return run.decision
 
     job = _accepted_job(run)
-    if job is None:
-        return run.decision
+    if job is None or (status.phase is Phase.INVALID and not spec_changed):
+        return run.decision  # invalid (the renderer refused it too) until the spec changes
     if status.plan is None and not _plan(run, job):
         return run.decision
     assert status.plan is not None
@@ -169,7 +173,7 @@ def _remove_stale_pods(run: _Pass, current: Attempt | None) -> None:
     """Pods of any attempt but the current running one should not exist (an operator stopped between
     recording a new attempt and deleting the old one's pods leaves them): delete them."""
     keep = str(current.number) if current is not None and current.finished is None else None
-    run.delete_pods([p for p in run.observation.pods if attempt_of(p) != keep])
+    run.delete_pods([p for p in run.pods if attempt_of(p) != keep])
 
 
 def _record_progress(status: FineTuneJobStatus, progress: Progress) -> None:
@@ -274,10 +278,15 @@ def _launch(run: _Pass, job: FineTuneJob, plan: PlanCandidate, phase: Phase, lay
         run.phase(Phase.PENDING)
         run.event("Warning", Reason.POOL_GONE, f"GPUPool {plan.strategy.pool!r} no longer exists; planning again")
         return
+    number = len(status.attempts) + 1
+    try:
+        objects = _attempt_objects(run, job, plan, pool, number)
+    except ValueError as error:  # the renderer refuses what validation let through (say, a stored plan)
+        _unrenderable(run, plan, error)
+        return
     resumed = status.progress.last_checkpoint_step if status.progress is not None and layout_kept else None
     if status.progress is not None and not layout_kept:
         status.progress = status.progress.model_copy(update={"last_checkpoint_step": None})
-    number = len(status.attempts) + 1
     status.attempts.append(
         Attempt(
             number=number,
@@ -287,13 +296,27 @@ def _launch(run: _Pass, job: FineTuneJob, plan: PlanCandidate, phase: Phase, lay
         )  # fmt: skip
     )
     status.launched_spec = status.launched_spec or job.spec.model_copy(update={"suspend": False})
-    run.decision.create.extend(_attempt_objects(job, plan, pool, number, run.image))
+    run.decision.create.extend(objects)
     run.phase(phase)
     origin = f"from checkpoint step {resumed}" if resumed is not None else "from the model weights"
     # The words the next pass uses while no rank has started, so a repeated pass writes nothing new.
     waiting = gang_state([], plan.strategy.nodes).reason
     run.condition(ConditionType.RUNNING, False, Reason.LAUNCHING, f"attempt {number}: {waiting}")
     run.event("Normal", Reason.LAUNCHING, f"attempt {number} ({plan.strategy.summary()}), starting {origin}")
+
+
+def _unrenderable(run: _Pass, plan: PlanCandidate, error: ValueError) -> None:
+    """The trainer config cannot be rendered for this job and plan: nothing is launched. Retrying cannot
+    help, so the job says why and waits for a fixed spec (before the first launch) or is failed."""
+    message = f"the trainer config cannot be rendered for {plan.strategy.summary()}: {error}"
+    if run.status.launched_spec is None:
+        run.status.plan = None
+        changed = run.condition(ConditionType.READY, False, Reason.INVALID_SPEC, message)
+        run.phase(Phase.INVALID)
+        if changed:
+            run.event("Warning", Reason.INVALID_SPEC, message)
+    else:
+        _fail(run, Reason.INVALID_SPEC, message)
 
 
 def _suspend(run: _Pass, current: Attempt | None) -> None:
@@ -348,15 +371,15 @@ def _wait_for_ranks(
     if missing:
         wanted = set(missing)
         pool = _pool(run, plan.strategy.pool)
-        objects = _attempt_objects(job, plan, pool, attempt.number, run.image) if pool is not None else []
+        objects = _attempt_objects(run, job, plan, pool, attempt.number) if pool is not None else []
         run.decision.create.extend(o for o in objects if o["kind"] != "Pod" or o["metadata"]["name"] in wanted)
 
 
 def _attempt_objects(
-    job: FineTuneJob, plan: PlanCandidate, pool: GPUPool, number: int, image: str
+    run: _Pass, job: FineTuneJob, plan: PlanCandidate, pool: GPUPool, number: int
 ) -> list[dict[str, Any]]:
     config = render_trainer_config(job, plan, peak_flops=peak_flops(pool_capacity(pool), plan.strategy.precision))
-    return attempt_objects(job, plan, pool, config, number, image)
+    return attempt_objects(job, plan, pool, config, number, run.image, run.options)
 
 
 def _succeed(run: _Pass, attempt: Attempt, reason: str) -> None:

@@ -31,6 +31,7 @@ from tests.chart.render import (
     one,
     render,
 )
+from tests.k8s.cluster import operator_rules
 
 EXAMPLE_POOLS = [
     {"name": doc["metadata"]["name"], "spec": doc["spec"]}
@@ -44,7 +45,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "one-namespace": ({"watchNamespace": "research"}, (PROMETHEUS_OPERATOR,)),
     "inventory": ({"gpuPools": EXAMPLE_POOLS}, ()),
     "minimal": ({"operator": {"replicas": 1}, "serviceAccount": {"create": False, "name": "memfit-sa"},
-                 "rbac": {"create": False}, "monitoring": MONITORING_OFF}, (PROMETHEUS_OPERATOR,)),
+                 "rbac": {"create": False}, "monitoring": MONITORING_OFF, "networkPolicy": {"enabled": False}},
+                (PROMETHEUS_OPERATOR,)),
     "customised": ({
         "operator": {"image": {"repository": "registry.example/memfit-operator", "tag": "1.2.3"},
                      "extraArgs": ["--verbose"], "nodeSelector": {"pool": "system"},
@@ -56,6 +58,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
         "trainer": {"image": {"repository": "registry.example/memfit-trainer", "tag": "1.2.3-cuda"}},
         "imagePullSecrets": [{"name": "registry"}],
         "peering": {"name": "memfit-prod"},
+        "networkPolicy": {"prometheus": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}],
+                          "apiServer": {"ports": [6443], "cidrs": ["10.0.0.1/32"]}},
         "monitoring": {"serviceMonitor": {"labels": {"release": "kube-prometheus-stack"}},
                        "dashboards": {"namespace": "grafana", "annotations": {"grafana_folder": "memfit"},
                                       "labels": {"grafana_dashboard": "memfit"}}},
@@ -63,19 +67,19 @@ VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
 }  # fmt: skip
 EXPECTED_KINDS = {
     "defaults": {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service",
-                 "PodDisruptionBudget", "ClusterKopfPeering", "ConfigMap"},
+                 "PodDisruptionBudget", "ClusterKopfPeering", "ConfigMap", "NetworkPolicy"},
     "prometheus-operator": {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service",
                             "PodDisruptionBudget", "ClusterKopfPeering", "ConfigMap", "ServiceMonitor", "PodMonitor",
-                            "PrometheusRule"},
-    "one-namespace": {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service",
-                      "PodDisruptionBudget", "KopfPeering", "ConfigMap", "ServiceMonitor", "PodMonitor",
-                      "PrometheusRule"},
+                            "PrometheusRule", "NetworkPolicy"},
+    "one-namespace": {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Deployment",
+                      "Service", "PodDisruptionBudget", "KopfPeering", "ConfigMap", "ServiceMonitor", "PodMonitor",
+                      "PrometheusRule", "NetworkPolicy"},
     "inventory": {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service",
-                  "PodDisruptionBudget", "ClusterKopfPeering", "ConfigMap", "GPUPool"},
+                  "PodDisruptionBudget", "ClusterKopfPeering", "ConfigMap", "GPUPool", "NetworkPolicy"},
     "minimal": {"Deployment", "Service", "ClusterKopfPeering"},
     "customised": {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service",
                    "PodDisruptionBudget", "ClusterKopfPeering", "ConfigMap", "ServiceMonitor", "PodMonitor",
-                   "PrometheusRule"},
+                   "PrometheusRule", "NetworkPolicy"},
 }  # fmt: skip
 MONITORING_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 """No schema of these is available offline: the tests below check the fields memfit relies on."""
@@ -137,6 +141,9 @@ def test_lint_is_clean(variant: str) -> None:
         ({"alerts": {"gpuMemoryRatio": 1.5}}, "gpuMemoryRatio"),
         ({"monitoring": {"dashboards": {"labels": {"grafana_dashboard": 1}}}}, "grafana_dashboard"),  # a number
         ({"monitoring": {"podMonitor": {"interval": "often"}}}, "interval"),
+        ({"networkPolicy": {"enabled": True, "prometheus": [{}]}}, "prometheus"),  # {} would be "from anywhere"
+        ({"networkPolicy": {"enabled": True, "apiServer": {"ports": [70000]}}}, "ports"),
+        ({"trainer": {"image": {"repository": "t"}, "cacheGiB": 0}}, "cacheGiB"),
     ],
 )  # fmt: skip
 def test_schema_refuses_bad_values(values: dict[str, Any], complaint: str) -> None:
@@ -158,10 +165,50 @@ def test_schema_requires_what_the_gpupool_crd_requires() -> None:
     assert sorted(in_values) == sorted(crd["required"])
 
 
-def test_clusterrole_is_exactly_the_given_rules() -> None:
-    rules = yaml.safe_load((CHART / "files" / "clusterrole-rules.yaml").read_text())
+@pytest.mark.parametrize("watch", [None, "research"])
+@pytest.mark.parametrize("network_policy", [True, False])
+def test_roles_are_exactly_the_rules_the_operator_tests_run_under(watch: str | None, network_policy: bool) -> None:
+    """tests/k8s grant what files/rbac-rules.yaml says (operator_rules); the chart renders the same roles."""
+    objects = render({"watchNamespace": watch or "", "networkPolicy": {"enabled": network_policy}})
+    expected = operator_rules(watch, network_policy)
+    rendered_rules = {o["kind"]: o["rules"] for o in objects if o["kind"] in ("ClusterRole", "Role")}
+    assert rendered_rules == expected
+    if watch is not None:
+        assert one(objects, "Role")["metadata"]["namespace"] == watch
+
+
+def test_with_a_watched_namespace_writes_are_granted_in_that_namespace_only() -> None:
+    """A ClusterRole grants in every namespace: with watchNamespace it keeps only cluster-scoped reads (the
+    GPUPool inventory, CRD and namespace discovery), and a Role in that namespace grants the rest."""
+    objects = render({"watchNamespace": "research"})
+    cluster_rules = one(objects, "ClusterRole")["rules"]
+    assert {r for rule in cluster_rules for r in rule["resources"]} == {"gpupools", "customresourcedefinitions",
+                                                                         "namespaces"}  # fmt: skip
+    assert {v for rule in cluster_rules for v in rule["verbs"]} == {"get", "list", "watch"}
+    role, binding = one(objects, "Role"), one(objects, "RoleBinding")
+    assert (role["metadata"]["namespace"], binding["metadata"]["namespace"]) == ("research", "research")
+    granted = {(r, v) for rule in role["rules"] for r in rule["resources"] for v in rule["verbs"]}
+    for write in [
+        ("pods", "create"),
+        ("pods", "delete"),
+        ("configmaps", "create"),
+        ("services", "create"),
+        ("networkpolicies", "create"),
+        ("finetunejobs/status", "patch"),
+        ("kopfpeerings", "patch"),
+    ]:
+        assert write in granted, write
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}  # fmt: skip
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": one(objects, "ServiceAccount")["metadata"][
+        "name"], "namespace": NAMESPACE}]  # fmt: skip
+    everywhere = one(render(), "ClusterRole")["rules"]
+    assert any("pods" in rule["resources"] for rule in everywhere)  # all namespaces: one ClusterRole
+    assert not by_kind(render(), "Role")
+
+
+def test_clusterrole_binding_and_service_account() -> None:
     objects = rendered("defaults")
-    assert one(objects, "ClusterRole")["rules"] == rules
     binding = one(objects, "ClusterRoleBinding")
     account = one(objects, "ServiceAccount")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
@@ -199,6 +246,9 @@ def test_deployment_runs_the_operator_command() -> None:
     for probe in ("livenessProbe", "readinessProbe"):
         assert operator[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert operator["resources"]["requests"] and operator["resources"]["limits"]["memory"]
+    env = {e["name"]: e["value"] for e in operator["env"]}
+    assert env["MEMFIT_TRAINER_CACHE_GIB"] == "50" and env["MEMFIT_NETWORK_POLICY"] == "true"
+    assert json.loads(env["MEMFIT_NETWORK_POLICY_METRICS_FROM"])  # see test_the_trainer_policies_*
 
     custom = container(rendered("customised"))
     assert custom["image"] == "registry.example/memfit-operator:1.2.3"
@@ -356,3 +406,88 @@ def test_notes_say_what_to_do_next() -> None:
 def test_release_name_is_not_repeated() -> None:
     assert one(rendered("defaults"), "Deployment")["metadata"]["name"] == "memfit"  # not memfit-memfit
     assert one(render({}, api_versions=()), "Service")["metadata"]["name"] == "memfit-metrics"
+
+
+# ------------------------------------------------------------------------------------------------
+# NetworkPolicies
+# ------------------------------------------------------------------------------------------------
+
+
+def operator_policy(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    return one(objects, "NetworkPolicy")["spec"]
+
+
+def peers_selecting(peers: list[dict[str, Any]], namespace_labels: dict[str, str], labels: dict[str, str]) -> bool:
+    """Whether one of ``peers`` selects a pod with ``labels`` in a namespace with ``namespace_labels`` (peers
+    without a namespaceSelector, i.e. of the policy's own namespace, do not occur here)."""
+    for peer in peers:
+        namespaces, pods = peer.get("namespaceSelector"), peer.get("podSelector")
+        in_namespace = namespaces is not None and selects(namespaces.get("matchLabels", {}), namespace_labels)
+        if in_namespace and (pods is None or selects(pods.get("matchLabels", {}), labels)):
+            return True
+    return False
+
+
+def test_the_operator_pods_are_isolated_but_reach_what_they_need() -> None:
+    objects = rendered("defaults")
+    policy = one(objects, "NetworkPolicy")
+    pod = one(objects, "Deployment")["spec"]["template"]
+    assert policy["metadata"]["namespace"] == NAMESPACE
+    assert selects(policy["spec"]["podSelector"]["matchLabels"], pod["metadata"]["labels"])
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress", "Egress"]
+    [scrape] = spec["ingress"]  # Prometheus on the metrics port, nothing else
+    assert scrape["ports"] == [{"protocol": "TCP", "port": 8080}]
+    prometheus_labels = {"app.kubernetes.io/name": "prometheus"}
+    assert peers_selecting(scrape["from"], {"kubernetes.io/metadata.name": "monitoring"}, prometheus_labels)
+    assert not peers_selecting(scrape["from"], {"kubernetes.io/metadata.name": "research"}, {"app": "curious"})
+    api_server, dns, trainers = spec["egress"]
+    assert api_server == {"ports": [{"protocol": "TCP", "port": 443}, {"protocol": "TCP", "port": 6443}]}
+    assert {(p["protocol"], p["port"]) for p in dns["ports"]} == {("UDP", 53), ("TCP", 53)}
+    assert trainers["ports"] == [{"protocol": "TCP", "port": operator_objects.METRICS_PORT}]
+    trainer = a_trainer_pod()
+    assert peers_selecting(trainers["to"], {"kubernetes.io/metadata.name": "research"}, trainer["metadata"]["labels"])
+
+
+def test_network_policy_values() -> None:
+    custom = operator_policy(rendered("customised"))
+    api_server = {"ports": [{"protocol": "TCP", "port": 6443}], "to": [{"ipBlock": {"cidr": "10.0.0.1/32"}}]}
+    assert custom["egress"][0] == api_server
+    assert custom["ingress"][0]["from"] == [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]
+    closed = operator_policy(render({"networkPolicy": {"enabled": True, "prometheus": []}}))
+    assert closed["ingress"] == []  # no scraper named: nobody gets in (an empty `from` would mean everybody)
+    one_namespace = operator_policy(rendered("one-namespace"))
+    assert one_namespace["egress"][2]["to"][0]["namespaceSelector"] == {
+        "matchLabels": {"kubernetes.io/metadata.name": "research"}}  # fmt: skip
+    off = render({"networkPolicy": {"enabled": False}})
+    assert not by_kind(off, "NetworkPolicy")
+    assert "MEMFIT_NETWORK_POLICY" not in {e["name"] for e in container(off)["env"]}
+    assert not any("networkpolicies" in rule["resources"] for rule in one(off, "ClusterRole")["rules"])
+
+
+def test_the_trainer_policies_let_the_operator_and_prometheus_into_the_metrics_ports() -> None:
+    """The operator creates a NetworkPolicy per attempt with the peers the chart gives it: the operator's own
+    pods (by their namespace and labels) and Prometheus."""
+    objects = rendered("defaults")
+    env = {e["name"]: e["value"] for e in container(objects)["env"]}
+    peers = json.loads(env["MEMFIT_NETWORK_POLICY_METRICS_FROM"])
+    operator_pod = one(objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    release_namespace = {"kubernetes.io/metadata.name": NAMESPACE}
+    assert peers_selecting(peers, release_namespace, operator_pod)
+    assert peers_selecting(
+        peers, {"kubernetes.io/metadata.name": "monitoring"}, {"app.kubernetes.io/name": "prometheus"}
+    )
+    assert not peers_selecting(peers, {"kubernetes.io/metadata.name": "research"}, operator_pod)  # a lookalike
+    documents = load_documents(ROOT / "examples" / "llama-3.1-8b-lora.yaml")
+    (job,) = documents.jobs
+    job = job.model_copy(update={"metadata": job.metadata.model_copy(update={"uid": "0000-1111"})})
+    plan = plan_job(job.spec, load_documents(ROOT / "examples" / "inventory.yaml").pools).chosen
+    assert plan is not None
+    options = operator_objects.TrainerOptions(network_policy=True, metrics_peers=tuple(peers))
+    policy = operator_objects.network_policy(job, plan, 1, options)
+    kubernetes_validate.validate(policy, KUBE_VERSION, strict=True)
+    assert policy["spec"]["ingress"][1]["from"] == peers
+    # Before Kubernetes 1.21 namespaces have no kubernetes.io/metadata.name label: any namespace, by pod labels.
+    old = render(kube_version="v1.20.2")
+    old_peers = json.loads({e["name"]: e["value"] for e in container(old)["env"]}["MEMFIT_NETWORK_POLICY_METRICS_FROM"])
+    assert old_peers[0]["namespaceSelector"] == {}

@@ -15,12 +15,12 @@ from typing import Any, TypeVar
 import yaml
 from kubernetes import client
 
-from memfit.api.crd import CRD_FILES
+from memfit.api.crd import ALL_CRD_FILES
 from tests.k8s.apiserver import OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT, ApiServer
 
 ROOT = Path(__file__).parent.parent.parent
 GROUP, VERSION = "memfit.dev", "v1alpha1"
-CLUSTER_ROLE_RULES = ROOT / "charts" / "memfit" / "files" / "clusterrole-rules.yaml"
+RBAC_RULES = ROOT / "charts" / "memfit" / "files" / "rbac-rules.yaml"
 T = TypeVar("T")
 
 
@@ -41,9 +41,10 @@ def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 30.0, ev
 
 
 def install_crds(api: client.ApiClient, *paths: Path) -> None:
-    """memfit's CRDs, or the CRD files given, waiting until they are served."""
+    """Every CRD in crds/ (memfit's and kopf's peering CRDs: `kubectl apply -f crds/`), or the CRD files
+    given, waiting until they are served."""
     extensions = client.ApiextensionsV1Api(api)
-    crds = [yaml.safe_load(path.read_text()) for path in paths or [ROOT / "crds" / name for name in CRD_FILES]]
+    crds = [yaml.safe_load(path.read_text()) for path in paths or [ROOT / "crds" / name for name in ALL_CRD_FILES]]
     for crd in crds:
         extensions.create_custom_resource_definition(crd)
     for crd in crds:
@@ -68,18 +69,45 @@ def create_namespace(api: client.ApiClient, name: str) -> None:
     core.create_namespaced_service_account(name, {"metadata": {"name": "default"}})  # type: ignore[arg-type]
 
 
-def grant_operator_role(api: client.ApiClient) -> None:
-    """The operator's ServiceAccount bound to the ClusterRole the chart ships, and nothing else."""
+def operator_rules(watch_namespace: str | None, network_policy: bool = True) -> dict[str, list[dict[str, Any]]]:
+    """The rules the chart grants (templates/rbac.yaml, from files/rbac-rules.yaml): "ClusterRole", and with
+    a watched namespace "Role" (in that namespace). tests/chart checks the rendered chart says the same."""
+    groups = yaml.safe_load(RBAC_RULES.read_text())
+    local = groups["namespaced"] + (groups["networkPolicies"] if network_policy else [])
+    if watch_namespace is None:
+        return {"ClusterRole": groups["cluster"] + groups["clusterPeering"] + local}
+    return {"ClusterRole": groups["cluster"], "Role": local + groups["namespacedPeering"]}
+
+
+def grant_operator_role(api: client.ApiClient, *watched: str) -> None:
+    """The operator's ServiceAccount bound to the roles the chart ships, and nothing else: the ClusterRole of
+    an operator of every namespace, or with ``watched`` namespaces (each must exist) the ClusterRole of an
+    operator restricted to one and its Role in each of them (a test runs several such operators)."""
     # The client types each body as its model (V1Namespace, ...) but sends a plain dict just the same.
     rbac, core = client.RbacAuthorizationV1Api(api), client.CoreV1Api(api)
     core.create_namespace({"metadata": {"name": OPERATOR_NAMESPACE}})  # type: ignore[arg-type]
     account = {"metadata": {"name": OPERATOR_SERVICE_ACCOUNT}}
     core.create_namespaced_service_account(OPERATOR_NAMESPACE, account)  # type: ignore[arg-type]
-    rules = yaml.safe_load(CLUSTER_ROLE_RULES.read_text())
-    rbac.create_cluster_role({"metadata": {"name": "memfit-operator"}, "rules": rules})  # type: ignore[arg-type]
+    subjects = [{"kind": "ServiceAccount", "name": OPERATOR_SERVICE_ACCOUNT, "namespace": OPERATOR_NAMESPACE}]
+    rules = operator_rules(watched[0] if watched else None)
+    rbac.create_cluster_role({"metadata": {"name": "memfit-operator"}, "rules": rules["ClusterRole"]})  # type: ignore[arg-type]
     rbac.create_cluster_role_binding({  # type: ignore[arg-type]
         "metadata": {"name": "memfit-operator"},
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "memfit-operator"},
+        "subjects": subjects,
+    })  # fmt: skip
+    for namespace in watched:
+        grant_namespace_role(api, namespace)
+
+
+def grant_namespace_role(api: client.ApiClient, namespace: str) -> None:
+    """The Role the chart ships for a watched namespace, in ``namespace``, bound to the operator."""
+    rbac = client.RbacAuthorizationV1Api(api)
+    metadata = {"name": "memfit-operator", "namespace": namespace}
+    rbac.create_namespaced_role(namespace, {"metadata": metadata, "rules": operator_rules(namespace)["Role"]})  # type: ignore[arg-type]
+    rbac.create_namespaced_role_binding(namespace, {  # type: ignore[arg-type]
+        "metadata": metadata,
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "memfit-operator"},
         "subjects": [{"kind": "ServiceAccount", "name": OPERATOR_SERVICE_ACCOUNT, "namespace": OPERATOR_NAMESPACE}],
     })  # fmt: skip
 

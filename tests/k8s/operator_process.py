@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 
 from tests.k8s.cluster import wait_for
@@ -22,9 +23,16 @@ def free_port() -> int:
 
 class OperatorProcess:
     def __init__(
-        self, kubeconfig: Path, log: Path, namespace: str | None, trainer_metrics_port: int, *extra: str
+        self,
+        kubeconfig: Path,
+        log: Path,
+        namespace: str | None,
+        trainer_metrics_port: int,
+        *extra: str,
+        env: Mapping[str, str] | None = None,
     ) -> None:
-        """``namespace`` None: the whole cluster; ``extra``: more `memfit operator` flags."""
+        """``namespace`` None: the whole cluster; ``extra``: more `memfit operator` flags; ``env``: more
+        MEMFIT_* settings (as the chart's Deployment sets them)."""
         self.metrics_port, self.health_port, self.log = free_port(), free_port(), log
         env = {
             **os.environ,
@@ -33,6 +41,7 @@ class OperatorProcess:
             "MEMFIT_PROGRESS_SECONDS": "1",
             "MEMFIT_TRAINER_METRICS_PORT": str(trainer_metrics_port),
             "MEMFIT_TRAINER_IMAGE": "registry.example/memfit-trainer:test",
+            **(env or {}),
         }
         ports = ["--metrics-port", str(self.metrics_port), "--health-port", str(self.health_port)]
         scope = ["--namespace", namespace] if namespace else []

@@ -1,6 +1,8 @@
 """The operator end to end on a real kube-apiserver, running as `memfit operator` under the operator's
-ServiceAccount bound only to the ClusterRole the chart ships. The test plays the kubelet (pod status) and
-rank 0 of the trainer (its real metrics exporter, which the operator scrapes for progress)."""
+ServiceAccount bound only to the roles the chart ships for an operator restricted to one namespace (its
+ClusterRole of cluster-scoped reads, and a Role in each namespace it serves), with the chart's NetworkPolicy
+settings. The test plays the kubelet (pod status) and rank 0 of the trainer (its real metrics exporter, which
+the operator scrapes for progress)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from memfit.api.finetunejob import FineTuneJob
 from memfit.api.loading import load_documents
 from memfit.planner.search import plan_job
 from memfit.render.trainer_config import render_trainer_config
-from memfit_operator.objects import ATTEMPT_LABEL, JOB_LABEL, RESTRICTED_SECURITY_CONTEXT
+from memfit_operator import objects as operator_objects
+from memfit_operator.objects import ATTEMPT_LABEL, JOB_LABEL, RESTRICTED_SECURITY_CONTEXT, job_label
 from memfit_operator.status import memory_per_gpu
 from memfit_trainer.metrics import TrainerMetrics
 from tests.k8s.apiserver import ApiServer
@@ -34,6 +37,7 @@ from tests.k8s.cluster import (
     Kubelet,
     create_namespace,
     example,
+    grant_namespace_role,
     grant_operator_role,
     install_crds,
     server_table,
@@ -45,14 +49,21 @@ from tests.trainer.test_metrics import trainer_config
 pytestmark = pytest.mark.k8s
 NAMESPACE = "research"
 JOBS = "finetunejobs"
+METRICS_PEERS = [
+    {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "memfit-system"}},
+     "podSelector": {"matchLabels": {"app.kubernetes.io/name": "memfit", "app.kubernetes.io/component": "operator"}}},
+    {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}},
+]  # fmt: skip
+"""What the chart passes the operator (tests/chart checks the rendered value)."""
+CHART_SETTINGS = {"MEMFIT_NETWORK_POLICY": "true", "MEMFIT_NETWORK_POLICY_METRICS_FROM": json.dumps(METRICS_PEERS)}
 
 
 @pytest.fixture(scope="module")
 def api(server: ApiServer) -> client.ApiClient:
     api_client = config.new_client_from_config(str(server.kubeconfig))
     install_crds(api_client)
-    grant_operator_role(api_client)
     create_namespace(api_client, NAMESPACE)
+    grant_operator_role(api_client, NAMESPACE)
     objects = client.CustomObjectsApi(api_client)
     for pool in example("inventory.yaml"):
         objects.create_cluster_custom_object(GROUP, VERSION, "gpupools", pool)
@@ -79,7 +90,9 @@ def operator(
     server: ApiServer, api: client.ApiClient, rank0: TrainerMetrics, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[OperatorProcess]:
     log = tmp_path_factory.mktemp("operator") / "operator.log"
-    process = OperatorProcess(server.operator_kubeconfig, log, NAMESPACE, rank0.port, "--standalone")
+    process = OperatorProcess(
+        server.operator_kubeconfig, log, NAMESPACE, rank0.port, "--standalone", env=CHART_SETTINGS
+    )
     yield process
     process.stop()
 
@@ -117,7 +130,7 @@ def patch_spec(api: client.ApiClient, name: str, spec: dict[str, Any]) -> None:
 
 
 def pods(api: client.ApiClient, job: str, attempt: int | None = None) -> list[client.V1Pod]:
-    selector = f"{JOB_LABEL}={job}" + (f",{ATTEMPT_LABEL}={attempt}" if attempt is not None else "")
+    selector = f"{JOB_LABEL}={job_label(job)}" + (f",{ATTEMPT_LABEL}={attempt}" if attempt is not None else "")
     return client.CoreV1Api(api).list_namespaced_pod(NAMESPACE, label_selector=selector).items
 
 
@@ -174,7 +187,7 @@ def test_a_new_job_is_planned_and_launched(api: client.ApiClient, operator: Oper
     spec = pod.spec
     container = spec.containers[0]
     assert container.image == "registry.example/memfit-trainer:test"
-    assert container.resources.limits == {"nvidia.com/gpu": str(plan.strategy.gpus_per_node)}
+    assert container.resources.limits["nvidia.com/gpu"] == str(plan.strategy.gpus_per_node)
     assert spec.node_selector["nvidia.com/gpu.product"] == "NVIDIA-A100-SXM4-80GB"
     assert spec.hostname == "launch-n0" and spec.subdomain == "launch"
     assert spec.automount_service_account_token is False
@@ -185,9 +198,22 @@ def test_a_new_job_is_planned_and_launched(api: client.ApiClient, operator: Oper
     assert "--master-addr=launch-n0.launch.research.svc" in container.command
     token = next(e for e in container.env if e.name == "HF_TOKEN")
     assert token.value is None and token.value_from.secret_key_ref.name == "hf-token"
+    # Resources, a read-only root and bounded scratch volumes, as the API server stored them.
+    host = plan.memory.per_node.cpu
+    assert container.resources.requests["memory"] == f"{-(-host // 2**20)}Mi"
+    assert {"cpu", "memory", "nvidia.com/gpu"} <= set(container.resources.limits)
+    assert security.read_only_root_filesystem is True
+    scratch = [v for v in spec.volumes if v.empty_dir is not None]
+    assert {v.name for v in scratch} >= {"tmp", "cache", "torch-extensions", "shm"}
+    assert all(v.empty_dir.size_limit for v in scratch)
     core = client.CoreV1Api(api)
     service = core.read_namespaced_service("launch", NAMESPACE)
     assert service.spec.cluster_ip == "None" and service.metadata.owner_references[0].uid == created["metadata"]["uid"]
+    policy = client.NetworkingV1Api(api).read_namespaced_network_policy("launch-a1", NAMESPACE)
+    assert policy.spec.pod_selector.match_labels == {"app.kubernetes.io/managed-by": "memfit", JOB_LABEL: "launch",
+                                                     ATTEMPT_LABEL: "1"}  # fmt: skip
+    assert policy.metadata.owner_references[0].uid == created["metadata"]["uid"]
+    assert len(policy.spec.ingress) == 2 and policy.spec.ingress[1].ports[0].port == 9400
     config_map = core.read_namespaced_config_map("launch-a1", NAMESPACE)
     rendered = render_trainer_config(FineTuneJob.model_validate(created), plan)
     assert json.loads(config_map.data["deepspeed.json"]) == rendered.deepspeed
@@ -376,6 +402,7 @@ def test_the_handlers_under_kopf_testing_runner(
 ) -> None:
     """The same handlers through kopf's own test runner (in this process, the operator's identity)."""
     create_namespace(api, "kopfrunner")
+    grant_namespace_role(api, "kopfrunner")
     monkeypatch.setenv("KUBECONFIG", str(server.operator_kubeconfig))
     # kopf's login reads the kubernetes client's default kubeconfig path, fixed when the client was imported
     monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(server.operator_kubeconfig))
@@ -404,6 +431,7 @@ def test_pods_do_not_exist_for_unknown_pools(api: client.ApiClient, operator: Op
 @pytest.fixture(scope="module")
 def restart_namespace(api: client.ApiClient) -> str:
     create_namespace(api, "restarts")
+    grant_namespace_role(api, "restarts")
     return "restarts"
 
 
@@ -439,15 +467,13 @@ def _status(objects: client.CustomObjectsApi, namespace: str, name: str) -> dict
     return objects.get_namespaced_custom_object(GROUP, VERSION, namespace, JOBS, name).get("status") or {}
 
 
-PEERING_CRDS = ROOT / "charts" / "memfit" / "crds"
-
-
 def test_two_replicas_share_the_work_through_peering(
     server: ApiServer, api: client.ApiClient, rank0: TrainerMetrics, tmp_path: Path
 ) -> None:
-    """Two operators, one active at a time: no job is handled twice, and the standby takes over."""
-    install_crds(api, PEERING_CRDS / "kopf.dev_kopfpeerings.yaml")
+    """Two operators, one active at a time: no job is handled twice, and the standby takes over (the peering
+    CRDs came with crds/)."""
     create_namespace(api, "peering")
+    grant_namespace_role(api, "peering")
     objects = client.CustomObjectsApi(api)
     wait_for("KopfPeering served", lambda: _create_peering(objects), timeout=30)
     peered = ("--peering", "memfit")
@@ -498,3 +524,88 @@ def _create_peering(objects: client.CustomObjectsApi) -> bool:
             return False
         raise
     return True
+
+
+# ------------------------------------------------------------------------------------------------
+# Names the CRD takes, children the API server takes
+# ------------------------------------------------------------------------------------------------
+
+LONG_NAME = "llama-3-1-8b-instruct-customer-support-chat-finetune-for-the-emea-team-v2"  # 74 characters
+
+
+@pytest.mark.parametrize("name", ["llama.chat", "8b-chat", LONG_NAME])
+def test_any_valid_job_name_launches_and_runs(
+    api: client.ApiClient, operator: OperatorProcess, kubelet: Kubelet, name: str
+) -> None:
+    """A dot (no Service, hostname or subdomain may have one), a digit first (no Service name may), more than
+    63 characters (no label value, Service name or hostname may): derived child names, accepted by the API
+    server, and the operator still finds the job's pods (by owner reference, not by name)."""
+    created = create_job(api, job_manifest(name))
+    job = FineTuneJob.model_validate(created)
+    [pod] = launched(api, name, 1, 1)
+    assert pod.spec.hostname == operator_objects.hostname(
+        job, 0
+    ) and pod.spec.subdomain == operator_objects.service_name(job)
+    core = client.CoreV1Api(api)
+    service = core.read_namespaced_service(operator_objects.service_name(job), NAMESPACE)
+    assert service.spec.selector == {JOB_LABEL: job_label(name)}
+    core.read_namespaced_config_map(operator_objects.config_map_name(job, 1), NAMESPACE)
+    kubelet.run(NAMESPACE, pod.metadata.name)
+    wait_for("phase Running", lambda: phase_is(api, name, "Running"))
+    assert not [e for e in events(api, name) if e[0] == "Warning"]
+
+
+def test_pods_with_the_jobs_labels_that_it_does_not_own_are_left_alone(
+    api: client.ApiClient, operator: OperatorProcess
+) -> None:
+    """Labels can be copied by anyone who may create pods: the operator neither deletes such a pod (as a stale
+    attempt) nor scrapes it; only the owner reference with the job's uid makes a pod the job's."""
+    created = create_job(api, job_manifest("decoyed"))
+    launched(api, "decoyed", 1, 1)
+    core = client.CoreV1Api(api)
+    spoofed_owner = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "FineTuneJob", "name": "decoyed",
+                     "uid": "00000000-0000-0000-0000-000000000000", "controller": True}  # fmt: skip
+    assert created["metadata"]["uid"] != spoofed_owner["uid"]
+    for decoy, owners in (("decoy-labels", []), ("decoy-owner-name", [spoofed_owner])):
+        labels = {"app.kubernetes.io/managed-by": "memfit", JOB_LABEL: "decoyed", ATTEMPT_LABEL: "7",
+                  operator_objects.RANK_LABEL: "0"}  # fmt: skip
+        core.create_namespaced_pod(NAMESPACE, {
+            "metadata": {"name": decoy, "labels": labels, "ownerReferences": owners},
+            "spec": {"automountServiceAccountToken": False, "containers": [{"name": "c", "image": "busybox"}]},
+        })  # fmt: skip
+    time.sleep(5)  # several passes (every 2 s, and at once on each pod event)
+    names = {p.metadata.name for p in core.list_namespaced_pod(NAMESPACE).items}
+    assert {"decoy-labels", "decoy-owner-name"} <= names, operator.tail()
+    status = read_job(api, "decoyed")["status"]
+    assert len(status["attempts"]) == 1 and status["phase"] == "Launching"
+
+
+def test_a_child_the_api_server_refuses_is_reported_on_the_job(
+    server: ApiServer, api: client.ApiClient, rank0: TrainerMetrics, tmp_path: Path
+) -> None:
+    """A job must not sit in Launching in silence: the refusal (here a LimitRange's CPU maximum, under the
+    CPU a trainer pod asks for) becomes a Warning Event on the job."""
+    create_namespace(api, "limited")
+    grant_namespace_role(api, "limited")
+    core = client.CoreV1Api(api)
+    limits = {"metadata": {"name": "small"}, "spec": {"limits": [{"type": "Container", "max": {"cpu": "1"}}]}}
+    core.create_namespaced_limit_range("limited", limits)
+    process = OperatorProcess(server.operator_kubeconfig, tmp_path / "operator.log", "limited", rank0.port,
+                              "--standalone", env=CHART_SETTINGS)  # fmt: skip
+    try:
+        manifest = job_manifest("refused")
+        manifest["metadata"]["namespace"] = "limited"
+        client.CustomObjectsApi(api).create_namespaced_custom_object(GROUP, VERSION, "limited", JOBS, manifest)
+
+        def warnings() -> list[str]:
+            items = core.list_namespaced_event("limited", field_selector="involvedObject.name=refused").items
+            return [e.message for e in items if e.type == "Warning" and e.reason == "Launching"]
+
+        [message] = wait_for("a Warning about the refused pod", warnings)
+        assert "the API server refused Pod refused-a1-n0: 403" in message
+        assert "maximum cpu usage per Container is 1" in message
+        time.sleep(5)  # more passes, refused the same way: no more Events
+        assert len(warnings()) == 1
+        assert "Traceback" not in process.log.read_text()  # said once, as a warning, not as a crash
+    finally:
+        process.stop()

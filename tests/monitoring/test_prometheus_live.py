@@ -3,7 +3,8 @@ operator's metrics, loads the chart's rules, and answers every query of the dash
 
 Targets:
 * the tiny example as `memfit run --local` plans and renders it (two CPU ranks under torchrun), served on a
-  fixed port instead of an ephemeral one;
+  fixed port instead of an ephemeral one, and with far more steps than the test needs: the run lasts until
+  the test stops it, however fast the machine trains;
 * the trainer's own ``TrainerMetrics`` for a job on a "GPU": this machine has none, so PyTorch's CUDA
   allocator readings are stubbed; names, labels and the plan's predictions (with the GPU's peak FLOP/s,
   hence MFU) are the real code's. The GPU memory panels and the memory alerts need this target;
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -30,6 +32,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +69,9 @@ GPU_ONLY = {
 }
 """Series a CPU run does not have: measured GPU memory, and MFU (a local plan knows no peak FLOP/s)."""
 H100_BF16_FLOPS = 989e12
+ENDLESS_STEPS = 10_000_000
+"""The tiny run's maxSteps here: days of training on any machine. The fixture stops the run when the tests are
+done with it; nothing depends on how fast it trains."""
 
 
 def free_ports(count: int) -> list[int]:
@@ -90,7 +96,8 @@ def free_ports(count: int) -> list[int]:
 
 
 def tiny_run_config(tmp_path: Path, port: int) -> Path:
-    """`memfit run examples/tiny/job.yaml --local --dry-run`: the config a local run trains with."""
+    """`memfit run examples/tiny/job.yaml --local --dry-run`: the config a local run trains with, on a fixed
+    metrics port and with ENDLESS_STEPS steps."""
     example = tmp_path / "tiny"
     shutil.copytree(ROOT / "examples" / "tiny", example, ignore=shutil.ignore_patterns("output"))
     workdir = tmp_path / "work"
@@ -101,8 +108,9 @@ def tiny_run_config(tmp_path: Path, port: int) -> Path:
     config = TrainerConfig.model_validate_json((workdir / "trainer-config.json").read_text())
     assert config.job == CPU_JOB and config.prediction is not None
     metrics = MetricsConfig(port=port, progress_file=config.metrics.progress_file)
+    training = config.training.model_copy(update={"max_steps": ENDLESS_STEPS})
     path = workdir / "trainer-config.json"
-    path.write_text(config.model_copy(update={"metrics": metrics}).to_json())
+    path.write_text(config.model_copy(update={"metrics": metrics, "training": training}).to_json())
     return path
 
 
@@ -228,9 +236,30 @@ class Prometheus:
     def query(self, expr: str, at: float) -> list[dict[str, Any]]:
         return self.api("query", query=expr, time=at)["result"]
 
+    def evaluated_after(self, at: float) -> bool:
+        """Whether every rule group has been evaluated since ``at`` (on data scraped up to then)."""
+        groups = self.api("rules")["groups"]
+        return bool(groups) and all(_timestamp(group["lastEvaluation"]) > at for group in groups)
+
     def stop(self) -> None:
         self.process.terminate()
         self.process.wait(timeout=30)
+
+
+def _timestamp(rfc3339: str) -> float:
+    """Prometheus's RFC 3339 times (nanoseconds, ``Z``) as seconds since the epoch."""
+    trimmed = re.sub(r"(\.\d{6})\d+", r"\1", rfc3339).replace("Z", "+00:00")
+    return datetime.fromisoformat(trimmed).timestamp()
+
+
+def stop_run(run: subprocess.Popen[str]) -> None:
+    """End the endless run: SIGTERM to torchrun, which passes it to its workers; SIGKILL if that is not enough."""
+    run.terminate()
+    try:
+        run.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        run.kill()
+        run.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -249,15 +278,14 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Promethe
     operator = operator_fleet(stack, tmp_path, rank0)
     prometheus = Prometheus(tmp_path, [f"127.0.0.1:{p}" for p in (rank0, rank1, gpu_port)],
                             f"127.0.0.1:{operator.metrics_port}")  # fmt: skip
-    run = subprocess.Popen(torchrun_command(config_path), env=trainer_env(), stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    log = stack.enter_context((tmp_path / "run.log").open("w"))  # a file: an endless run never fills a pipe
+    run = subprocess.Popen(torchrun_command(config_path), env=trainer_env(), stdout=log, stderr=subprocess.STDOUT,
+                           text=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 600
         progress_file = Path(config.metrics.progress_file or "")
         while True:
-            assert run.poll() is None, "the run ended before it was scraped enough:\n" + (
-                run.stdout.read() if run.stdout else ""
-            )
+            assert run.poll() is None, "the endless run failed:\n" + (tmp_path / "run.log").read_text()[-5000:]
             assert time.monotonic() < deadline, "the tiny run made too little progress in 10 minutes"
             progress = read_progress(progress_file)
             if progress is not None and progress.step >= 15:
@@ -266,11 +294,12 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Promethe
                     break
             time.sleep(0.5)
         at = time.time()
-        time.sleep(2)  # let the rules evaluate once more after `at`
+        while not prometheus.evaluated_after(at):  # the rules see everything scraped up to `at`
+            assert time.monotonic() < deadline, "the rules were not evaluated within 10 minutes"
+            time.sleep(0.5)
         yield prometheus, at
     finally:
-        run.terminate()  # scraped enough; tests/trainer checks that runs finish
-        run.communicate(timeout=120)
+        stop_run(run)  # the tests are done with it; tests/trainer checks that runs finish
         gpu.close()
         monkeypatch.undo()
         prometheus.stop()

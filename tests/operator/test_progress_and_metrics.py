@@ -1,16 +1,22 @@
 """Progress read from rank 0's /metrics (memfit_operator.progress) and the operator's own metrics
-(memfit_operator.metrics): pure parsing and registry bookkeeping, no network."""
+(memfit_operator.metrics): parsing and registry bookkeeping, and the scrape against a local HTTP server."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
+import aiohttp
 import pytest
+from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from memfit.api.finetunejob import FineTuneJobStatus
+from memfit.api.finetunejob import FineTuneJobStatus, Progress
 from memfit.api.loading import load_documents
 from memfit.api.plan import PlanCandidate
 from memfit.api.vocabulary import Method, Phase
@@ -22,9 +28,10 @@ from memfit.contract.progress import (
     TOTAL_STEPS_METRIC,
 )
 from memfit.planner.search import plan_job
+from memfit_operator import progress as progress_module
 from memfit_operator.metrics import OperatorMetrics
 from memfit_operator.objects import RANK_LABEL
-from memfit_operator.progress import parse_trainer_metrics, rank0_address
+from memfit_operator.progress import fetch_progress, parse_trainer_metrics, rank0_address
 
 ROOT = Path(__file__).parent.parent.parent
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
@@ -129,26 +136,168 @@ def test_tokens_per_second_scales_with_the_world_size() -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def pod(rank: str | None, ip: str | None = None) -> dict:
+UID = "0f1e2d3c-uid"
+
+
+def owner(uid: str = UID, **changes: object) -> dict:
+    return {"apiVersion": "memfit.dev/v1alpha1", "kind": "FineTuneJob", "name": "job", "uid": uid,
+            "controller": True, "blockOwnerDeletion": True, **changes}  # fmt: skip
+
+
+def pod(rank: str | None, ip: str | None = None, owners: list[dict] | None = None) -> dict:
     labels = {RANK_LABEL: rank} if rank is not None else {}
     status = {"phase": "Running", "podIP": ip} if ip is not None else {"phase": "Pending"}
-    return {"metadata": {"name": f"job-a1-n{rank}", "labels": labels}, "status": status}
+    metadata = {"name": f"job-a1-n{rank}", "labels": labels, "ownerReferences": [owner()] if owners is None else owners}
+    return {"metadata": metadata, "status": status}
 
 
 def test_rank0_address_is_rank_0s_pod_ip() -> None:
-    assert rank0_address([pod("1", "10.0.0.2"), pod("0", "10.0.0.1"), pod("2", "10.0.0.3")], RANK_LABEL) == "10.0.0.1"
+    assert rank0_address([pod("1", "10.0.0.2"), pod("0", "10.0.0.1"), pod("2", "10.0.0.3")], UID) == "10.0.0.1"
 
 
 def test_rank0_address_is_none_until_rank_0_has_an_ip() -> None:
-    assert rank0_address([pod("1", "10.0.0.2"), pod("0")], RANK_LABEL) is None
-    assert rank0_address([pod("1", "10.0.0.2")], RANK_LABEL) is None
-    assert rank0_address([], RANK_LABEL) is None
-    assert rank0_address([{"metadata": {"name": "x", "labels": None}, "status": None}], RANK_LABEL) is None
-    assert rank0_address([{"metadata": {"name": "x", "labels": {RANK_LABEL: "0"}}}], RANK_LABEL) is None
+    assert rank0_address([pod("1", "10.0.0.2"), pod("0")], UID) is None
+    assert rank0_address([pod("1", "10.0.0.2")], UID) is None
+    assert rank0_address([], UID) is None
+    assert rank0_address([{"metadata": {"name": "x", "labels": None}, "status": None}], UID) is None
+    assert rank0_address([{"metadata": {"name": "x", "labels": {RANK_LABEL: "0"}}}], UID) is None
 
 
 def test_rank0_address_ignores_pods_without_the_rank_label() -> None:
-    assert rank0_address([pod(None, "10.9.9.9"), pod("0", "10.0.0.1")], RANK_LABEL) == "10.0.0.1"
+    assert rank0_address([pod(None, "10.9.9.9"), pod("0", "10.0.0.1")], UID) == "10.0.0.1"
+
+
+@pytest.mark.parametrize(
+    "owners",
+    [
+        [],  # labels copied onto a pod of one's own
+        [owner(uid="another-job-uid")],  # the job's name, not its uid (e.g. a job deleted and created again)
+        [owner(controller=False)],  # an owner, not the controller
+        [owner(kind="Deployment")],
+        [owner(apiVersion="example.com/v1")],
+    ],
+)
+def test_rank0_address_only_of_a_pod_the_job_controls(owners: list[dict]) -> None:
+    """Labels alone never make a pod a scrape target: anyone who may create pods can copy them."""
+    assert rank0_address([pod("0", "169.254.169.254", owners)], UID) is None
+    assert rank0_address([pod("0", "169.254.169.254", owners), pod("0", "10.0.0.1")], UID) == "10.0.0.1"
+
+
+# ------------------------------------------------------------------------------------------------
+# fetch_progress: bounded in time and size, parsed off the event loop
+# ------------------------------------------------------------------------------------------------
+
+
+async def _serve(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> tuple[web.AppRunner, int]:
+    app = web.Application()
+    app.router.add_get("/metrics", handler)
+    app.router.add_get("/elsewhere", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+
+def fetch(handler: Callable[[web.Request], Awaitable[web.StreamResponse]], **limits: float) -> tuple[object, float]:
+    """fetch_progress against a local server answering with ``handler``: (its result, seconds taken)."""
+
+    async def run() -> tuple[object, float]:
+        runner, port = await _serve(handler)
+        try:
+            async with aiohttp.ClientSession() as session:
+                started = time.monotonic()
+                result = await fetch_progress(session, "127.0.0.1", port, 8, **limits)  # type: ignore[arg-type]
+                return result, time.monotonic() - started
+        finally:
+            await runner.cleanup()
+
+    return asyncio.run(run())
+
+
+def test_fetch_progress_reads_rank_0() -> None:
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text=exposition({"0": FULL}))
+
+    progress, _ = fetch(metrics)
+    assert isinstance(progress, Progress) and progress.step == 120
+
+
+def test_a_reply_over_the_size_limit_is_refused_not_read() -> None:
+    """A 400 MB reply took the operator 85 s and 2.5 GB: now it stops reading at SCRAPE_MAX_BYTES."""
+    sent = []
+
+    async def huge(request: web.Request) -> web.StreamResponse:  # valid exposition, just far too much of it
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(exposition({"0": FULL}).encode())
+        line = b'memfit_padding_total{rank="0",x="' + b"y" * 1000 + b'"} 1\n'
+        try:
+            for _ in range(200_000):  # 200 MB if it were all read
+                await response.write(line * 64)
+                sent.append(len(line) * 64)
+        except (ConnectionResetError, RuntimeError):
+            pass
+        return response
+
+    progress, seconds = fetch(huge, max_bytes=1024**2)
+    assert progress is None
+    assert seconds < 2.5, "refused as soon as the limit was crossed, not at the timeout"
+    assert sum(sent) < 64 * 1024**2, "the operator stopped reading; the server did not get to send it all"
+
+
+def test_a_declared_length_over_the_limit_is_refused_before_reading() -> None:
+    async def declared(request: web.Request) -> web.Response:
+        return web.Response(body=b"x" * (2 * 1024**2))
+
+    assert fetch(declared, max_bytes=1024**2)[0] is None
+
+
+def test_a_reply_trickling_in_is_cut_at_the_timeout() -> None:
+    async def slow(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        for _ in range(100):
+            await response.write(b"# a comment, one byte at a time\n")
+            await asyncio.sleep(0.1)
+        return response
+
+    progress, seconds = fetch(slow, timeout=0.5)
+    assert progress is None and seconds < 1.5
+
+
+def test_a_redirect_is_not_followed() -> None:
+    async def redirect(request: web.Request) -> web.Response:
+        if request.path == "/metrics":
+            raise web.HTTPFound("/elsewhere")
+        return web.Response(text=exposition({"0": FULL}))
+
+    assert fetch(redirect)[0] is None
+
+
+def test_text_that_is_not_the_exposition_format_is_no_progress_not_an_error() -> None:
+    async def garbage(request: web.Request) -> web.Response:
+        return web.Response(text="memfit_train_step{rank=0 oops\n")
+
+    assert fetch(garbage)[0] is None
+
+
+def test_parsing_runs_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    loop_thread = threading.get_ident()
+    parsed_in: list[int] = []
+    real = progress_module.parse_trainer_metrics
+
+    def recording(*args: object) -> object:
+        parsed_in.append(threading.get_ident())
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(progress_module, "parse_trainer_metrics", recording)
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text=exposition({"0": FULL}))
+
+    assert isinstance(fetch(metrics)[0], Progress)
+    assert parsed_in and loop_thread not in parsed_in
 
 
 # ------------------------------------------------------------------------------------------------

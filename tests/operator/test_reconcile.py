@@ -20,7 +20,7 @@ from memfit.api.finetunejob import FineTuneJobSpec, FineTuneJobStatus, Progress
 from memfit.api.gpupool import GPUPool
 from memfit.api.loading import load_documents
 from memfit.api.vocabulary import Phase
-from memfit_operator.objects import ATTEMPT_LABEL, CONFIG_FILE, RANK_LABEL
+from memfit_operator.objects import ATTEMPT_LABEL, CONFIG_FILE, RANK_LABEL, TrainerOptions
 from memfit_operator.reconcile import Decision, Event, Observation, reconcile
 
 ROOT = Path(__file__).parent.parent.parent
@@ -152,6 +152,12 @@ class FakeCluster:
         self.step()
         assert self.raw_status["phase"] == "Running"
         return first
+
+
+def owned_by_the_job(**changes: Any) -> dict[str, Any]:
+    """The owner reference the operator puts on the job's children (uid of job_document())."""
+    return {"apiVersion": "memfit.dev/v1alpha1", "kind": "FineTuneJob", "name": "llama-chat", "uid": "0f1e2d3c-uid",
+            "controller": True, "blockOwnerDeletion": True, **changes}  # fmt: skip
 
 
 def reasons(events: list[Event]) -> list[tuple[str, str]]:
@@ -326,7 +332,8 @@ def test_stale_pods_of_an_older_attempt_are_deleted(gang: FakeCluster) -> None:
     gang.apply(decision)
     # The deletions did not land (the operator stopped between writing status and deleting).
     for name in old:
-        gang.pods[name] = {"metadata": {"name": name, "labels": {ATTEMPT_LABEL: "1", RANK_LABEL: name[-1]}},
+        gang.pods[name] = {"metadata": {"name": name, "labels": {ATTEMPT_LABEL: "1", RANK_LABEL: name[-1]},
+                                        "ownerReferences": [owned_by_the_job()]},
                            "status": {"phase": "Running"}}  # fmt: skip
     again = gang.step()
     assert sorted(again.delete) == old
@@ -336,8 +343,39 @@ def test_stale_pods_of_an_older_attempt_are_deleted(gang: FakeCluster) -> None:
 
 def test_pods_without_an_attempt_label_are_stale_too(cluster: FakeCluster) -> None:
     cluster.step()
-    cluster.pods["stray"] = {"metadata": {"name": "stray", "labels": {}}, "status": {"phase": "Running"}}
+    cluster.pods["stray"] = {"metadata": {"name": "stray", "labels": {}, "ownerReferences": [owned_by_the_job()]},
+                             "status": {"phase": "Running"}}  # fmt: skip
     assert cluster.step().delete == ["stray"]
+
+
+@pytest.mark.parametrize(
+    "owners",
+    [[], [owned_by_the_job(uid="uid-of-an-earlier-job-of-that-name")], [owned_by_the_job(controller=False)]],
+)
+def test_pods_the_job_does_not_control_are_neither_followed_nor_deleted(gang: FakeCluster, owners: list) -> None:
+    """Labels alone prove nothing (anyone who may create pods can copy them): a pod counts as the job's only
+    when its controller owner reference carries the job's uid."""
+    gang.launch_running()
+    mine = gang.attempt_pods(1)
+    for name, attempt, phase in (("decoy-old", "7", "Running"), ("decoy-failed", "1", "Failed")):
+        labels = {"app.kubernetes.io/managed-by": "memfit", "memfit.dev/job": "llama-chat", ATTEMPT_LABEL: attempt,
+                  RANK_LABEL: "0"}  # fmt: skip
+        status = {"phase": phase, "podIP": "169.254.169.254"}
+        gang.pods[name] = {"metadata": {"name": name, "labels": labels, "ownerReferences": owners}, "status": status}
+    decision = gang.step()
+    assert decision.delete == [] and decision.create == []  # the decoys neither deleted nor failing the gang
+    assert decision.status.phase is Phase.RUNNING and [a.number for a in decision.status.attempts] == [1]
+    assert gang.attempt_pods(1) == sorted([*mine, "decoy-failed"])  # still there
+
+
+def test_with_network_policies_each_attempt_gets_one_before_its_pods(gang: FakeCluster) -> None:
+    options = TrainerOptions(network_policy=True, metrics_peers=({"podSelector": {}},))
+    decision = reconcile(gang.observe(), IMAGE, options)
+    nodes = decision.status.plan.strategy.nodes
+    assert kinds(decision) == ["ConfigMap", "Service", "NetworkPolicy"] + ["Pod"] * nodes
+    [policy] = [o for o in decision.create if o["kind"] == "NetworkPolicy"]
+    assert policy["spec"]["podSelector"]["matchLabels"][ATTEMPT_LABEL] == "1"
+    assert kinds(reconcile(gang.observe(), IMAGE)) == ["ConfigMap", "Service"] + ["Pod"] * nodes  # off by default
 
 
 # ================================================================================================
@@ -523,7 +561,8 @@ def test_a_failed_job_still_stops_ranks_left_running(gang: FakeCluster) -> None:
     # The deletions did not land: the other ranks still hold their GPUs, rank 0's failed pod stays for logs.
     for rank in range(decision.status.plan.strategy.nodes):
         name = f"llama-chat-a1-n{rank}"
-        gang.pods[name] = {"metadata": {"name": name, "labels": {ATTEMPT_LABEL: "1"}}, "status": {"phase": "Running"}}
+        metadata = {"name": name, "labels": {ATTEMPT_LABEL: "1"}, "ownerReferences": [owned_by_the_job()]}
+        gang.pods[name] = {"metadata": metadata, "status": {"phase": "Running"}}
     gang.failed("llama-chat-a1-n0")
     again = gang.step()
     running = [f"llama-chat-a1-n{r}" for r in range(1, decision.status.plan.strategy.nodes)]
@@ -1079,3 +1118,40 @@ def test_a_trainer_config_error_fails_the_job_at_once(gang: FakeCluster) -> None
         decision.events[0].message
     )
     assert gang.condition("Succeeded")["reason"] == "TrainerConfigError"
+
+
+def refuse_rendering(monkeypatch: pytest.MonkeyPatch) -> None:
+    from memfit.render.trainer_config import PathOutsideVolumeError
+    from memfit_operator import reconcile as reconcile_module
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise PathOutsideVolumeError("output.path '../x' leads outside its volume")
+
+    monkeypatch.setattr(reconcile_module, "render_trainer_config", refuse)
+
+
+def test_a_config_the_renderer_refuses_before_launch_makes_the_job_invalid_and_launches_nothing(
+    cluster: FakeCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refuse_rendering(monkeypatch)
+    decision = cluster.step()
+    status = decision.status
+    assert status.phase is Phase.INVALID and status.attempts == [] and status.launched_spec is None
+    assert decision.create == []
+    ready = cluster.condition("Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
+    assert "leads outside its volume" in ready["message"]
+    assert ("Warning", "InvalidSpec") in reasons(decision.events)
+    assert quiet(cluster.step()), "a repeated pass says nothing new"
+
+
+def test_a_config_the_renderer_refuses_at_a_restart_fails_the_job(
+    gang: FakeCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gang.launch_running()
+    refuse_rendering(monkeypatch)
+    gang.failed(gang.attempt_pods(1)[0])
+    decision = gang.step()
+    assert decision.status.phase is Phase.FAILED
+    assert [o for o in decision.create if o["kind"] == "Pod"] == []
+    assert ("Warning", "Failed") in reasons(decision.events)

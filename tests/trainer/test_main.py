@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from memfit.api.vocabulary import Attention, TerminationReason
-from memfit.contract.trainer_config import ConfigError
+from memfit.contract.trainer_config import ConfigError, VolumesConfig
+from memfit_trainer.engine import engine_config
 from memfit_trainer.oom import EXIT_CODE_OOM
 from memfit_trainer.preflight import check
 from tests.trainer.runs import make_config, run_single_process, run_trainer, trainer_env, write_config
@@ -29,23 +29,36 @@ def with_prediction(config):
     return config.model_copy(update={"prediction": prediction})
 
 
+FAILS_BEFORE_ANY_WORK = """import sys
+from memfit_trainer.main import main
+code = main(sys.argv[1:])
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "deepspeed", "transformers"))
+print(" ".join(heavy))
+sys.exit(code)
+"""
+"""``memfit-train`` that reports the heavy libraries it imported before exiting."""
+
+
 def test_unreadable_config_fails_fast_with_one_line(tmp_path: Path) -> None:
+    """Fast by construction, whatever the machine: the config is refused before torch is even imported."""
     bad = tmp_path / "config.json"
-    bad.write_text(json.dumps({"version": 1, "job": "x/y"}))
-    started = time.monotonic()
+    log = tmp_path / "termination-log"
+    bad.write_text(json.dumps({"version": 1, "job": "x/y", "terminationLog": str(log)}))
     result = subprocess.run(
-        [sys.executable, "-m", "memfit_trainer.main", "--config", str(bad)],
-        env=trainer_env(), capture_output=True, text=True, timeout=60,
+        [sys.executable, "-c", FAILS_BEFORE_ANY_WORK, "--config", str(bad)],
+        env=trainer_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("memfit-train: ") and "model" in lines[0], result.stderr
-    assert time.monotonic() - started < 30
+    assert result.stdout.strip() == "", f"imported before refusing the config: {result.stdout}"
+    message = json.loads(log.read_text())  # the config's own terminationLog, although the config is invalid
+    assert message == {"reason": TerminationReason.CONFIG_ERROR, "message": lines[0].removeprefix("memfit-train: ")}
 
 
 @pytest.mark.slow
 def test_config_this_machine_cannot_run_fails_before_any_work(tmp_path: Path) -> None:
-    config = make_config(tmp_path)  # planned for 2 ranks, started as 1
+    config = make_config(tmp_path, stage=3)  # planned for 2 ranks, started as 1; NVMe parameters need ZeRO-3
     deepspeed = {**config.deepspeed}
     deepspeed["zero_optimization"] = {
         **deepspeed["zero_optimization"], "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "absent")}
@@ -65,6 +78,39 @@ def test_config_this_machine_cannot_run_fails_before_any_work(tmp_path: Path) ->
 
 def test_preflight_accepts_a_runnable_config(tmp_path: Path) -> None:
     check(make_config(tmp_path), {"WORLD_SIZE": "2"})
+
+
+def test_preflight_leaves_room_for_every_local_ranks_metrics_port(tmp_path: Path) -> None:
+    config = make_config(tmp_path)
+    config = config.model_copy(update={"metrics": config.metrics.model_copy(update={"port": 65534})})
+    check(config, {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
+    with pytest.raises(ConfigError, match="metrics.port 65534"):
+        check(config, {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "8"})
+
+
+def test_preflight_creates_nothing_outside_the_output_volume(tmp_path: Path) -> None:
+    volume, elsewhere = tmp_path / "volume", tmp_path / "elsewhere"
+    volume.mkdir()
+    elsewhere.mkdir()
+    (volume / "job").symlink_to(elsewhere)
+    config = make_config(tmp_path)
+    volumes = VolumesConfig(data=str(tmp_path), output=str(volume))
+    config = config.model_copy(update={"output_dir": str(volume / "job" / "output"), "volumes": volumes})
+    with pytest.raises(ConfigError, match="outside its volume"):
+        check(config, {"WORLD_SIZE": "2"})
+    assert list(elsewhere.iterdir()) == []
+    check(config.model_copy(update={"output_dir": str(volume / "output")}), {"WORLD_SIZE": "2"})
+
+
+def test_engine_config_fills_what_the_deepspeed_section_leaves_out(tmp_path: Path) -> None:
+    config = make_config(tmp_path)
+    bare = config.model_copy(update={"deepspeed": {"zero_optimization": {"stage": 2}}})
+    filled = engine_config(bare, client=False)
+    assert filled["train_micro_batch_size_per_gpu"] == config.training.micro_batch_size
+    assert filled["gradient_accumulation_steps"] == config.training.gradient_accumulation_steps
+    assert filled["train_batch_size"] == config.training.global_batch_size
+    assert filled["bf16"] == {"enabled": True} and "fp16" not in filled
+    assert engine_config(config, client=False)["bf16"] == config.deepspeed["bf16"]  # what is given is kept
 
 
 def test_preflight_rejects_streaming_without_max_steps(tmp_path: Path) -> None:

@@ -1,5 +1,8 @@
 """A real training run exports its metrics while it runs: both ranks are scraped mid-run, promtool finds
-nothing to fix, and the progress file follows the steps."""
+nothing to fix, and the progress file follows the steps.
+
+"Mid-run" by construction: the run holds after step HOLD_AT (memfit_trainer.loop's test hook) until the test
+has scraped it, however fast the machine trains, then finishes."""
 
 from __future__ import annotations
 
@@ -15,10 +18,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from memfit.contract.progress import read_progress
 from memfit.contract.trainer_config import MetricsConfig
+from memfit_trainer.loop import HOLD_ENV
 from tests.trainer.runs import make_config, torchrun_command, trainer_env, write_config
 
 pytestmark = pytest.mark.distributed
-STEPS = 120
+STEPS = 10
+HOLD_AT = 5
 
 
 def free_port_pair() -> int:
@@ -36,6 +41,11 @@ def free_port_pair() -> int:
     raise RuntimeError("no two consecutive free ports")
 
 
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        return str(response.read().decode())
+
+
 def samples(text: str) -> dict[str, float]:
     return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
 
@@ -48,28 +58,33 @@ def test_metrics_are_scraped_during_a_run(tmp_path: Path) -> None:
     config = make_config(tmp_path, max_steps=STEPS, checkpoint_every=40, offload=False, name="metrics")
     config = config.model_copy(update={"metrics": MetricsConfig(port=port, progress_file=config.metrics.progress_file)})
     progress_file = Path(config.metrics.progress_file or "")
+    release = tmp_path / "release"
     launcher = subprocess.Popen(
         torchrun_command(write_config(config, tmp_path / "config.json")),
-        env=trainer_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=trainer_env(**{HOLD_ENV: f"{HOLD_AT}:{release}"}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 600
-        while (progress := read_progress(progress_file)) is None or progress.step < 5:
+        while (progress := read_progress(progress_file)) is None or progress.step < HOLD_AT:
             assert launcher.poll() is None, launcher.stdout.read() if launcher.stdout else ""
             assert time.monotonic() < deadline, "no progress within 10 minutes"
             time.sleep(0.5)
-        scraped = {}
-        for rank in (0, 1):
-            with urllib.request.urlopen(f"http://127.0.0.1:{port + rank}/metrics", timeout=10) as response:
-                scraped[rank] = response.read().decode()
-        assert launcher.poll() is None, "the run ended before it could be scraped mid-way"
+        scraped: dict[int, str] = {}
+        for rank in (0, 1):  # each rank holds once it has exported step HOLD_AT
+            while samples(text := scrape(port + rank)).get("memfit_train_step") != HOLD_AT:
+                assert time.monotonic() < deadline, f"rank {rank} did not reach step {HOLD_AT} within 10 minutes"
+                time.sleep(0.1)
+            scraped[rank] = text
+        assert launcher.poll() is None, "the held run ended"
     finally:
+        release.touch()
         output, _ = launcher.communicate(timeout=900)
     assert launcher.returncode == 0, output
 
     for rank, text in scraped.items():
         values = samples(text)
-        assert 5 <= values["memfit_train_step"] < STEPS
+        assert values["memfit_train_step"] == HOLD_AT
         assert values["memfit_train_loss"] > 0
         assert values["memfit_train_tokens_total"] > 0 and values["memfit_train_samples_total"] > 0
         assert values["memfit_host_memory_bytes"] > 100 * 2**20  # a torch process's RSS, labelled cpu

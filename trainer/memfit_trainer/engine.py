@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from memfit.api.vocabulary import EIGHT_BIT_OPTIMIZERS, Offload, Optimizer
+from memfit.api.vocabulary import EIGHT_BIT_OPTIMIZERS, Offload, Optimizer, Precision
 from memfit.contract.trainer_config import ConfigError, TrainerConfig, TrainingConfig
 
 
@@ -74,9 +74,17 @@ def client_optimizer(training: TrainingConfig, params: Iterable[torch.nn.Paramet
 
 
 def engine_config(config: TrainerConfig, client: bool) -> dict[str, Any]:
-    """``config.deepspeed`` plus what this run needs: the flags a client optimizer requires, clipping."""
+    """``config.deepspeed`` plus what this run needs: the flags a client optimizer requires, and what the
+    training section decides where the DeepSpeed section leaves it out (batch sizes, clipping, precision;
+    where it gives them, the config's validation made sure they agree)."""
+    training = config.training
     ds = copy.deepcopy(config.deepspeed)
-    ds.setdefault("gradient_clipping", config.training.max_grad_norm)
+    ds.setdefault("train_micro_batch_size_per_gpu", training.micro_batch_size)
+    ds.setdefault("gradient_accumulation_steps", training.gradient_accumulation_steps)
+    ds.setdefault("train_batch_size", training.global_batch_size)
+    ds.setdefault("gradient_clipping", training.max_grad_norm)
+    if "bf16" not in ds and "fp16" not in ds and training.precision != Precision.FP32:
+        ds[str(training.precision)] = {"enabled": True}
     if client:
         ds["zero_allow_untested_optimizer"] = True
         if ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", Offload.NONE) != Offload.NONE:

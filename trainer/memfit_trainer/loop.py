@@ -8,8 +8,13 @@ scheduler), the data position in the marker and each rank's RNG state. On start 
 checkpoint is loaded, so a restarted pod continues with exactly the batches and random numbers the
 uninterrupted run would have used.
 
-Test hook: ``MEMFIT_TEST_INJECT_OOM_AT_STEP=N`` raises ``torch.OutOfMemoryError`` inside optimizer step N on
-every rank, to exercise the out-of-memory path without a GPU.
+Test hooks:
+
+* ``MEMFIT_TEST_INJECT_OOM_AT_STEP=N`` raises ``torch.OutOfMemoryError`` inside optimizer step N on every
+  rank, to exercise the out-of-memory path without a GPU;
+* ``MEMFIT_TEST_HOLD_AFTER_STEP=N:PATH`` makes every rank wait after optimizer step N (its metrics, progress
+  and checkpoint written) until PATH exists, so that a test can scrape, inspect or kill a run that is
+  certainly still going, however fast the machine trains.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from memfit_trainer.oom import OomGuard
 
 CHECKPOINT_TAG = "deepspeed"
 INJECT_OOM_ENV = "MEMFIT_TEST_INJECT_OOM_AT_STEP"
+HOLD_ENV = "MEMFIT_TEST_HOLD_AFTER_STEP"
+HOLD_POLL_SECONDS = 0.05
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,15 @@ class Ranks:
 def _inject_oom(step: int) -> None:
     if os.environ.get(INJECT_OOM_ENV) == str(step):
         raise torch.OutOfMemoryError(f"injected by {INJECT_OOM_ENV}={step} (test hook)")
+
+
+def _hold(step: int) -> None:
+    """The ``MEMFIT_TEST_HOLD_AFTER_STEP`` test hook (see the module docstring)."""
+    at, _, release = os.environ.get(HOLD_ENV, "").partition(":")
+    if at != str(step) or not release:
+        return
+    while not os.path.exists(release):
+        time.sleep(HOLD_POLL_SECONDS)
 
 
 def _batches(config: TrainerConfig, tokenizer: Any, ranks: Ranks) -> PackedBatches:
@@ -195,5 +211,6 @@ def train(config: TrainerConfig, ranks: Ranks, metrics: TrainerMetrics, guard: O
             started = time.monotonic()
             _save_checkpoint(engine, manager, step, position, ranks, training.keep_checkpoints, lora, layout)
             metrics.checkpoint(step=step, seconds=time.monotonic() - started)
+        _hold(step)
     save_final(engine, built.tokenizer, config.final_dir, rank=ranks.rank, lora=lora)
     progress.message(f"done: step {step}/{total}, final output in {config.final_dir}")

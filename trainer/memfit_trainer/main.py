@@ -3,7 +3,8 @@
 Exit codes: 0 done (or already done), 2 the config cannot be run here (one line on stderr and a ConfigError
 termination message, before any GPU work), 86 out of GPU memory (see :mod:`memfit_trainer.oom`), 1 anything
 else. torchrun reports a failed worker as 1: the termination message (memfit.contract.termination) keeps
-the reason.
+the reason. A config that cannot be read whole still names where its termination message goes when its
+``terminationLog`` can be read; otherwise the message goes to the default path (the pod's).
 """
 
 from __future__ import annotations
@@ -86,7 +87,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         check(config, os.environ)
     except ConfigError as error:
-        report_config_error(str(error), config.termination_log if config else DEFAULT_TERMINATION_LOG)
+        if config is not None:
+            termination_log = config.termination_log
+        else:
+            termination_log = error.termination_log or DEFAULT_TERMINATION_LOG
+        report_config_error(str(error), termination_log)
         return EXIT_CONFIG
     return run(config)
 

@@ -3,6 +3,12 @@
 A pod that would fail ten minutes in (after loading a 70B model) because of a missing package, an
 unsupported precision or an unwritable NVMe path should instead fail at once with one clear line. Every
 problem found is reported together, as one :class:`~memfit.contract.trainer_config.ConfigError`.
+
+The config itself was checked when it was read (``load_config``); here it meets the machine: the ranks
+started, installed packages, the accelerator, the files. Where the config names the job's volumes, the data,
+the output directory (and the checkpoint and final directories in it) and a model directory must stay
+inside their volume once symlinks are resolved: a symlink on a volume must not send checkpoints to the
+pod's ephemeral disk. Nothing is created outside its volume.
 """
 
 from __future__ import annotations
@@ -27,6 +33,46 @@ def _writable_dir(path: Path) -> bool:
     except OSError:
         return False
     return os.access(path, os.W_OK | os.X_OK)
+
+
+def _escape(path: str | Path, root: str) -> str | None:
+    """Where ``path`` really leads if that is outside ``root`` (both with symlinks resolved), else None."""
+    real, real_root = os.path.realpath(path), os.path.realpath(root)
+    if real == real_root or real.startswith(real_root.rstrip("/") + "/"):
+        return None
+    return real
+
+
+def _volume_problems(config: TrainerConfig) -> list[str]:
+    volumes = config.volumes
+    if volumes is None:
+        return []
+    checks: list[tuple[str, str | Path, str | None]] = [("data.path", config.data.path, volumes.data)]
+    checks += [
+        (name, path, volumes.output)
+        for name, path in (
+            ("outputDir", config.output_dir),
+            ("the checkpoint directory", config.checkpoint_dir),
+            ("the final directory", config.final_dir),
+        )
+    ]
+    if volumes.model is not None:
+        checks.append(("model.nameOrPath", config.model.name_or_path, volumes.model))
+    problems = []
+    for name, path, root in checks:
+        real = _escape(path, root) if root is not None else None
+        if real is not None:
+            problems.append(f"{name} {str(path)!r} leads to {real!r}, outside its volume {root!r} (a symlink?)")
+    return problems
+
+
+def _metrics_port_problem(config: TrainerConfig, environ: Mapping[str, str]) -> str | None:
+    port = config.metrics.port
+    local = environ.get("LOCAL_WORLD_SIZE", "1")
+    local_ranks = int(local) if local.isdigit() and int(local) > 0 else 1
+    if port and port + local_ranks - 1 > 65535:
+        return f"metrics.port {port} + {local_ranks - 1} (rank r serves port + local rank) is beyond 65535"
+    return None
 
 
 def _precision_problem(precision: Precision) -> str | None:
@@ -69,8 +115,12 @@ def check(config: TrainerConfig, environ: Mapping[str, str]) -> None:
         )
     if (data.text_field is None) == (data.messages_field is None):
         problems.append("data needs exactly one of textField and messagesField")
+    volume_problems = _volume_problems(config)
+    problems.extend(volume_problems)
     if not Path(data.path).exists():
         problems.append(f"data.path {data.path!r} does not exist")
+    elif not (Path(data.path).is_file() or Path(data.path).is_dir()):
+        problems.append(f"data.path {data.path!r} is neither a file nor a directory")
     if data.streaming and training.max_steps is None:
         problems.append("streaming data has no known epoch length: set training.maxSteps")
     architecture = config.model.architecture
@@ -89,7 +139,10 @@ def check(config: TrainerConfig, environ: Mapping[str, str]) -> None:
     if training.method == Method.QLORA and training.precision != Precision.BF16:
         problems.append("qlora computes in bf16: set training.precision to bf16")
     problems.extend(_offload_problems(config.deepspeed))
-    if not _writable_dir(Path(config.output_dir)):
+    port = _metrics_port_problem(config, environ)
+    if port:
+        problems.append(port)
+    if not volume_problems and not _writable_dir(Path(config.output_dir)):  # never create outside the volume
         problems.append(f"outputDir {config.output_dir!r} cannot be created or written")
     precision = _precision_problem(training.precision)
     if precision:

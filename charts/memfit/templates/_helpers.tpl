@@ -55,3 +55,28 @@ app.kubernetes.io/component: operator
 {{- define "memfit.serviceMonitor" -}}
 {{- if and .Values.monitoring.serviceMonitor.enabled (include "memfit.prometheusOperator" .) -}}true{{- end -}}
 {{- end -}}
+
+{{/*
+A NetworkPolicy namespaceSelector for one namespace (dict "ctx" $ "namespace" NAME): by the label every
+namespace carries from Kubernetes 1.21 (kubernetes.io/metadata.name); before that, any namespace.
+*/}}
+{{- define "memfit.namespaceSelector" -}}
+{{- if semverCompare ">=1.21-0" .ctx.Capabilities.KubeVersion.Version -}}
+matchLabels:
+  kubernetes.io/metadata.name: {{ .namespace }}
+{{- else -}}
+{}
+{{- end -}}
+{{- end -}}
+
+{{/* The NetworkPolicy peers let into the trainer pods' metrics ports: the operator, and Prometheus. */}}
+{{- define "memfit.metricsPeers" -}}
+- namespaceSelector:
+    {{- include "memfit.namespaceSelector" (dict "ctx" . "namespace" .Release.Namespace) | nindent 4 }}
+  podSelector:
+    matchLabels:
+      {{- include "memfit.selectorLabels" . | nindent 6 }}
+{{- with .Values.networkPolicy.prometheus }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
