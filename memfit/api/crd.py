@@ -84,36 +84,33 @@ def _object_schema(model: type[BaseModel], description: str) -> dict[str, Any]:
     return schema
 
 
-def _crd(
-    plural: str, kind: str, scope: str, schema: dict[str, Any], columns: list[dict[str, Any]], short: list[str]
-) -> dict[str, Any]:
+def _definition(group: str, scope: str, names: dict[str, Any], version: dict[str, Any]) -> dict[str, Any]:
+    """A CustomResourceDefinition with one version, served and stored (``version`` holds its name, schema...)."""
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"{plural}.{GROUP}", "labels": {"app.kubernetes.io/part-of": "memfit"}},
+        "metadata": {"name": f"{names['plural']}.{group}", "labels": {"app.kubernetes.io/part-of": "memfit"}},
         "spec": {
-            "group": GROUP,
+            "group": group,
             "scope": scope,
-            "names": {
-                "plural": plural,
-                "singular": kind.lower(),
-                "kind": kind,
-                "listKind": f"{kind}List",
-                "shortNames": short,
-                "categories": ["memfit"],
-            },
-            "versions": [
-                {
-                    "name": VERSION,
-                    "served": True,
-                    "storage": True,
-                    "schema": {"openAPIV3Schema": schema},
-                    "subresources": {"status": {}} if "status" in schema["properties"] else {},
-                    "additionalPrinterColumns": columns,
-                }
-            ],
+            "names": names,
+            "versions": [{"name": version["name"], "served": True, "storage": True, **version}],
         },
     }
+
+
+def _crd(
+    plural: str, kind: str, scope: str, schema: dict[str, Any], columns: list[dict[str, Any]], short: list[str]
+) -> dict[str, Any]:
+    names = {"plural": plural, "singular": kind.lower(), "kind": kind, "listKind": f"{kind}List",
+             "shortNames": short, "categories": ["memfit"]}  # fmt: skip
+    version = {
+        "name": VERSION,
+        "schema": {"openAPIV3Schema": schema},
+        "subresources": {"status": {}} if "status" in schema["properties"] else {},
+        "additionalPrinterColumns": columns,
+    }
+    return _definition(GROUP, scope, names, version)
 
 
 def _column(name: str, path: str, kind: str = "string", description: str = "", priority: int = 0) -> dict[str, Any]:
@@ -196,29 +193,10 @@ KOPF_GROUP = "kopf.dev"
 
 def kopf_peering_crd(kind: str, plural: str, scope: str) -> dict[str, Any]:
     """kopf's peering resource as kopf documents it: only status, kept as the replicas write it."""
-    return {
-        "apiVersion": "apiextensions.k8s.io/v1",
-        "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"{plural}.{KOPF_GROUP}", "labels": {"app.kubernetes.io/part-of": "memfit"}},
-        "spec": {
-            "scope": scope,
-            "group": KOPF_GROUP,
-            "names": {"kind": kind, "plural": plural, "singular": kind.lower()},
-            "versions": [
-                {
-                    "name": "v1",
-                    "served": True,
-                    "storage": True,
-                    "schema": {
-                        "openAPIV3Schema": {
-                            "type": "object",
-                            "properties": {"status": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
-                        }
-                    },
-                }
-            ],
-        },
-    }
+    status = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+    schema = {"openAPIV3Schema": {"type": "object", "properties": {"status": status}}}
+    names = {"kind": kind, "plural": plural, "singular": kind.lower()}
+    return _definition(KOPF_GROUP, scope, names, {"name": "v1", "schema": schema})
 
 
 def cluster_peering_crd() -> dict[str, Any]:

@@ -16,6 +16,7 @@ from rich.text import Text
 from memfit.api.finetunejob import FineTuneJob
 from memfit.api.plan import PerGPUMemory, PhaseMemory, PlanCandidate, PlanResult
 from memfit.api.vocabulary import Offload, StepPhase
+from memfit.planner.search import speed_ratio
 
 GIB = 1024**3
 RUNNERS_UP = 5
@@ -40,19 +41,9 @@ def _params(count: int) -> str:
     return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
 
 
-def _versus(tokens_per_second: float, reference: float) -> str:
-    """A speed against ``reference`` in words: "12% slower", "35% faster", "2.1x faster", "as fast"."""
-    ratio = tokens_per_second / reference
-    if ratio >= 2:
-        return f"{ratio:.1f}x faster"
-    if ratio >= 1.005:
-        return f"{ratio - 1:.0%} faster"
-    return f"{1 - ratio:.0%} slower" if ratio <= 0.995 else "as fast"
-
-
 def why_lost(candidate: PlanCandidate, chosen: PlanCandidate) -> str:
     """One phrase: what makes ``candidate`` worse than ``chosen``."""
-    speed = _versus(candidate.throughput.tokens_per_second, chosen.throughput.tokens_per_second)
+    speed = speed_ratio(candidate.throughput.tokens_per_second, chosen.throughput.tokens_per_second)
     if candidate.strategy.method != chosen.strategy.method:
         return (f"{candidate.strategy.method} changes the model more than {chosen.strategy.method}, "
                 f"which auto prefers ({speed})")  # fmt: skip

@@ -208,7 +208,7 @@ def _reported(ranked: list[_Fit]) -> list[_Fit]:
     return [ranked[index] for index in kept]
 
 
-def _speed_ratio(faster: float, slower: float) -> str:
+def speed_ratio(faster: float, slower: float) -> str:
     """``faster`` against ``slower`` in words: "35% faster", "2.1x faster", "6% slower", "as fast"."""
     ratio = faster / slower
     if ratio >= 2:
@@ -226,7 +226,7 @@ def _why_chosen(spec: FineTuneJobSpec, ranked: list[_Fit]) -> str:
     if len(same) == 1:
         within = f"the only {method} plan that fits"
     else:
-        ratio = _speed_ratio(best.tokens_per_second, same[1].tokens_per_second)
+        ratio = speed_ratio(best.tokens_per_second, same[1].tokens_per_second)
         versus = "as fast as the next" if ratio == "as fast" else f"{ratio} than the next"
         within = f"the fastest of the {len(same)} {method} plans that fit ({versus})"
     if spec.method is not Method.AUTO:
@@ -241,7 +241,7 @@ def _why_chosen(spec: FineTuneJobSpec, ranked: list[_Fit]) -> str:
         if fit.method != method:
             others.setdefault(fit.method, fit)
     for other, fit in others.items():
-        ratio = _speed_ratio(fit.tokens_per_second, best.tokens_per_second)
+        ratio = speed_ratio(fit.tokens_per_second, best.tokens_per_second)
         sentence += f"; the best {other} plan would be {ratio} ({fit.tokens_per_second:,.0f} tokens/s est.)"
     return sentence + "."
 
