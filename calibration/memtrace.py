@@ -34,6 +34,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.api.vocabulary import Attention, Method, Optimizer, Precision
 from memfit.model_shape import ModelShape
+from memfit_trainer.chunked_loss import causal_lm_loss, unwrap_causal_lm
 from memfit_trainer.hf_config import transformers_config
 
 Dtype = Literal[Precision.BF16, Precision.FP32]
@@ -268,11 +269,13 @@ def trace_training_step(
     lora_dropout: float = 0.05,
     causal_mask: CausalMask = "implicit",
     steps: int = 2,
+    chunked_loss: bool = False,
 ) -> dict[str, Any]:
     """Run ``steps`` training steps on fake tensors and measure the last one with MemTracker.
 
     The model is built directly in ``dtype`` (pure bf16 or fp32 training; AdamW states share the
-    parameters' dtype), takes ``labels=input_ids`` so ``transformers`` computes the loss, and only the
+    parameters' dtype), takes ``labels=input_ids`` so ``transformers`` computes the loss (with
+    ``chunked_loss``, the trainer's own ``memfit_trainer.chunked_loss.causal_lm_loss`` does), and only the
     loss outlives the forward call, as in ``Trainer.training_step``. Earlier steps run untracked so the
     measured step starts in steady state: optimizer states exist, gradients were set to ``None``.
 
@@ -303,6 +306,7 @@ def trace_training_step(
         "lora_dropout": lora_dropout if trainable == Method.LORA else None,
         "causal_mask": causal_mask,
         "steps": steps,
+        "chunked_loss": chunked_loss,
     }
     model = _build_model(
         shape, dtype, attention, gradient_checkpointing, trainable, lora_rank, lora_targets, lora_dropout
@@ -314,6 +318,8 @@ def trace_training_step(
         input_ids = torch.randint(0, shape.vocab_size, (micro_batch, seq_len))
 
         def forward() -> torch.Tensor:
+            if chunked_loss:  # the trainer's code path (memfit_trainer.loop)
+                return causal_lm_loss(model, unwrap_causal_lm(model), {"input_ids": input_ids, "labels": input_ids})
             return cast(torch.Tensor, model(input_ids=input_ids, labels=input_ids).loss)
 
         # (Tensor.backward is unannotated in torch.)

@@ -30,7 +30,7 @@ CANDIDATE_KEYS = {
 }
 STRATEGY_KEYS = {"method", "pool", "nodes", "gpusPerNode", "zeroStage", "offloadOptimizer", "offloadParameters",
                  "gradientCheckpointing", "microBatchSize", "gradientAccumulationSteps", "precision", "optimizer",
-                 "attention"}  # fmt: skip
+                 "attention", "chunkedLoss"}  # fmt: skip
 PER_GPU_KEYS = {"parameters", "gradients", "optimizerStates", "activations", "overhead", "peakAllocatedBytes", "total"}
 
 

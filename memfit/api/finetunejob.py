@@ -263,6 +263,9 @@ class StrategySpec(ApiModel):
     """Sequences per GPU per forward pass (gradient accumulation makes up the rest)."""
     attention: Attention | None = None
     """Attention kernel: sdpa (PyTorch fused), flash (flash-attn 2), or eager (materialises scores)."""
+    chunked_loss: StrictBool | None = None
+    """Compute the LM head and the cross-entropy chunk by chunk, recomputed in backward, so the
+    full-vocabulary logits never exist (ZeRO 0-2 only)."""
 
 
 class FineTuneJobSpec(ApiModel):
@@ -301,6 +304,7 @@ class FineTuneJobSpec(ApiModel):
             strategy.offload_optimizer,
             strategy.offload_parameters,
             self.training.optimizer,
+            strategy.chunked_loss,
         )
         if conflicts:
             raise ValueError("; ".join(conflicts))

@@ -62,6 +62,9 @@ class Strategy:
     """Optimizer."""
     attention: Attention
     """Attention kernel."""
+    chunked_loss: bool = False
+    """Whether the LM head and the cross-entropy run chunk by chunk (recomputed in backward), so the
+    full-vocabulary logits never exist."""
 
     @property
     def gpus(self) -> int:
@@ -76,6 +79,8 @@ class Strategy:
             parts.append(f"params->{self.offload_parameters}")
         if self.gradient_checkpointing:
             parts.append("ckpt")
+        if self.chunked_loss:
+            parts.append("chunked-ce")
         parts += [f"mb{self.micro_batch_size}x{self.gradient_accumulation_steps}", self.precision, self.optimizer]
         return " ".join(parts) + f" on {self.nodes}x{self.gpus_per_node} {self.pool}"
 
@@ -90,6 +95,7 @@ def strategy_conflicts(
     offload_optimizer: Offload | None = None,
     offload_parameters: Offload | None = None,
     optimizer: Optimizer | None = None,
+    chunked_loss: bool | None = None,
 ) -> list[str]:
     """Why a combination of knobs cannot run as planned: the trainer's preflight refuses it, DeepSpeed
     refuses it, or DeepSpeed silently ignores part of it. ``None`` (and ``auto``) is a knob not decided
@@ -124,6 +130,11 @@ def strategy_conflicts(
         )
     if offloads_optimizer and optimizer in EIGHT_BIT_OPTIMIZERS:
         conflicts.append("8-bit optimizers run on the GPU; they cannot be combined with strategy.offloadOptimizer")
+    if chunked_loss and zero_stage == 3:
+        conflicts.append(
+            "strategy.chunkedLoss needs zeroStage 0-2 (ZeRO-3 partitions the LM head's weight, which the chunked "
+            "loss reads whole)"
+        )
     return conflicts
 
 

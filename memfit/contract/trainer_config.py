@@ -260,6 +260,8 @@ class TrainingConfig(ApiModel):
     precision: PlannedPrecision
     gradient_checkpointing: Annotated[bool, Strict()] = False
     attention: Attention = Attention.SDPA
+    chunked_loss: Annotated[bool, Strict()] = False
+    """The LM head and the cross-entropy chunk by chunk (memfit_trainer.chunked_loss); ZeRO 0-2 only."""
     seed: Annotated[int, Strict(), Field(ge=0, le=MAX_SEED)] = 42
     checkpoint_every_steps: Annotated[int, Strict(), Field(ge=1, le=MAX_STEPS)] = 500
     keep_checkpoints: Annotated[int, Strict(), Field(ge=1, le=MAX_KEEP_CHECKPOINTS)] = 2
@@ -516,6 +518,8 @@ class TrainerConfig(ApiModel):
             problems.append("qlora's 4-bit weights cannot be partitioned or offloaded (ZeRO-3, offload_param)")
         if t.optimizer in EIGHT_BIT_OPTIMIZERS and offloads_optimizer:
             problems.append(f"{t.optimizer} keeps its 8-bit states on the GPU: it cannot be offloaded")
+        if t.chunked_loss and zero.stage == 3:
+            problems.append("training.chunkedLoss reads the LM head's weight whole: it cannot run under ZeRO-3")
         if ds.optimizer is not None:
             built = DEEPSPEED_OPTIMIZER_TYPES[ds.optimizer.type.lower()]
             if built != t.optimizer:

@@ -14,7 +14,10 @@ the final norm's and the loss's buffers are alive together (the fp32 log-softmax
 logits-sized gradients: 12 bytes per token and vocabulary entry, whatever the compute dtype). Inside the
 last layer's backward the loss buffers are gone but the layer's gradient temporaries are there (with
 eager attention at long sequences, the scores' gradients win). With gradient checkpointing each layer
-keeps only its input, and the second moment also holds the recomputed layer.
+keeps only its input, and the second moment also holds the recomputed layer. With the chunked loss
+(``chunked_loss``) the loss buffers are what the trainer's chunked cross-entropy holds: per-token
+log-sum-exp and labels, the hidden states' and head's gradients and one chunk's logits
+(:func:`chunked_loss_buffers`).
 """
 
 from __future__ import annotations
@@ -26,8 +29,16 @@ from memfit.memory.states import FP32
 from memfit.model_shape import ModelFamily, ModelShape
 
 BOOL = 1
+INT64 = 8
 LOSS_BYTES_PER_LOGIT = 3 * FP32
 """Log-softmax output (fp32) saved by cross-entropy, and the two fp32 gradients its backward makes."""
+LOSS_CHUNK_BYTES = 2**27
+"""Chunked loss (``chunked_loss``): the fp32 logits of one chunk of tokens stay under this (128 MiB)."""
+
+
+def loss_chunk_tokens(tokens: int, vocab_size: int) -> int:
+    """Tokens per chunk of the chunked loss (the trainer's ``chunked_cross_entropy`` uses the same)."""
+    return max(1, min(tokens, LOSS_CHUNK_BYTES // (vocab_size * FP32)))
 
 
 @dataclass(frozen=True)
@@ -46,6 +57,8 @@ class ActivationSetup:
     adapter_bytes: int = 2
     """LoRA adapters' dtype: DeepSpeed's bf16/fp16 engine casts them to the compute dtype; plain
     peft keeps them in fp32 (autocast_adapter_dtype)."""
+    chunked_loss: bool = False
+    """The LM head and the loss run chunk by chunk (the trainer's ``chunked_cross_entropy``)."""
 
     @property
     def tokens(self) -> int:
@@ -165,10 +178,25 @@ def saved_per_layer(shape: ModelShape, setup: ActivationSetup) -> int:
 def head_and_loss(shape: ModelShape, setup: ActivationSetup) -> int:
     """The final norm, the LM head's input (when the head is trained) and the loss at the start of the
     backward pass. Gemma 2 also soft-caps the logits (a tanh whose 16-bit output is kept)."""
+    if setup.chunked_loss:
+        return _rms_norm(shape, setup, True) + chunked_loss_buffers(shape, setup)
     loss = setup.tokens * shape.vocab_size * LOSS_BYTES_PER_LOGIT
     if shape.family is ModelFamily.GEMMA2:
         loss += setup.tokens * shape.vocab_size * setup.element_bytes
     return _rms_norm(shape, setup, setup.method == Method.FULL) + loss
+
+
+def chunked_loss_buffers(shape: ModelShape, setup: ActivationSetup) -> int:
+    """What the chunked loss holds at the worst point of its backward (the final norm's output, which it
+    keeps whatever the method, is counted with the norm): one fp32 log-sum-exp and the shifted label per
+    token, the hidden states' gradient, the LM head's weight gradient it accumulates (when the head is
+    trained), and one chunk's fp32 logits with their 16-bit cast (Gemma 2: the fp32 tanh of the soft-cap
+    instead of the cast). The full logits never exist."""
+    t, h, v, w = setup.tokens, shape.hidden_size, shape.vocab_size, setup.element_bytes
+    chunk = loss_chunk_tokens(t, v)
+    per_logit = 2 * FP32 if shape.family is ModelFamily.GEMMA2 else FP32 + (0 if w == FP32 else w)
+    head_gradient = v * h * w if setup.method == Method.FULL else 0
+    return t * (FP32 + INT64) + t * h * w + head_gradient + chunk * v * per_logit
 
 
 def _eager_attention_backward(shape: ModelShape, setup: ActivationSetup, per_layer: int) -> int:

@@ -52,6 +52,7 @@ def activation_setup(
         lora_targets=targets,
         lora_dropout=lora.dropout,
         adapter_bytes=compute_bytes(strategy.precision),  # DeepSpeed's engine casts adapters to it
+        chunked_loss=strategy.chunked_loss,
     )
 
 

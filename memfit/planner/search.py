@@ -81,7 +81,7 @@ class _Evaluated:
             offload_optimizer=t.offload_optimizer, offload_parameters=t.offload_parameters,
             gradient_checkpointing=t.gradient_checkpointing, micro_batch_size=self.micro_batch_size,
             gradient_accumulation_steps=self.gradient_accumulation_steps, precision=t.precision,
-            optimizer=t.optimizer, attention=t.attention,
+            optimizer=t.optimizer, attention=t.attention, chunked_loss=t.chunked_loss,
         )  # fmt: skip
 
 
@@ -111,7 +111,7 @@ class _Search:
     fits: list[_Fit] = field(default_factory=list)
     nearest_misses: dict[tuple[str, int, int, str], _Evaluated] = field(default_factory=dict)
     static: dict[tuple[str, int, Offload, Offload, int, int, str], StaticMemory] = field(default_factory=dict)
-    activations: dict[tuple[str, str, bool, int, Attention], ActivationEstimate] = field(default_factory=dict)
+    activations: dict[tuple[str, str, bool, int, Attention, bool], ActivationEstimate] = field(default_factory=dict)
     untried: set[Untried] = field(default_factory=set)
     """Parts of the search where no candidate could be evaluated at all, and why (for the advice)."""
 
@@ -128,7 +128,7 @@ class _Search:
 
     def activation_estimate(self, template: Strategy, micro_batch_size: int) -> ActivationEstimate:
         key = (template.method, template.precision, template.gradient_checkpointing, micro_batch_size,
-               template.attention)  # fmt: skip
+               template.attention, template.chunked_loss)  # fmt: skip
         if key not in self.activations:
             strategy = replace(template, micro_batch_size=micro_batch_size)
             setup = activation_setup(self.shape, strategy, self.sequence_length, self.lora)
@@ -274,7 +274,8 @@ def _pinned_conflicts(search: _Search, method: PlannedMethod) -> bool:
 
     def conflicts(stage: int | None) -> list[str]:
         return strategy_conflicts(method, spec.training.precision, stage, pinned.offload_optimizer,
-                                  pinned.offload_parameters, spec.training.optimizer)  # fmt: skip
+                                  pinned.offload_parameters, spec.training.optimizer,
+                                  pinned.chunked_loss)  # fmt: skip
 
     stages = [pinned.zero_stage] if pinned.zero_stage is not None else [0, 1, 2, 3]
     per_stage = [conflicts(stage) for stage in stages]
@@ -319,7 +320,7 @@ def _zero_options(
             if opt != Offload.NONE and method != Method.FULL and pinned.offload_optimizer is None:
                 continue
             for params in _pinned_or(pinned.offload_parameters, devices if stage == 3 else [Offload.NONE]):
-                if strategy_conflicts(method, precision, stage, opt, params, optimizer):
+                if strategy_conflicts(method, precision, stage, opt, params, optimizer, pinned.chunked_loss):
                     continue
                 single_gpu_duplicate = (
                     gpus == 1
@@ -351,6 +352,7 @@ def _search_pool(search: _Search, capacity: PoolCapacity, method: PlannedMethod)
     attention = spec.strategy.attention or Attention.SDPA
     pinned_ckpt = spec.strategy.gradient_checkpointing
     checkpointing = [pinned_ckpt] if pinned_ckpt is not None else [False, True]
+    pinned_chunked = spec.strategy.chunked_loss
     batch = spec.training.global_batch_size
     tried = False
     for nodes, per_node in layouts(capacity, spec.resources.max_gpus, batch):
@@ -370,10 +372,19 @@ def _search_pool(search: _Search, capacity: PoolCapacity, method: PlannedMethod)
                         zero_stage=stage, offload_optimizer=opt, offload_parameters=params,
                         gradient_checkpointing=ckpt, micro_batch_size=1, gradient_accumulation_steps=1,
                         precision=precision, optimizer=spec.training.optimizer, attention=attention,
+                        chunked_loss=bool(pinned_chunked),
                     )  # fmt: skip
                     micro = _largest_fitting_micro_batch(
                         search, capacity, limit, template, micro_batches, per_gpu_batch
                     )
+                    if pinned_chunked is None and stage != 3 and micro != micro_batches[0]:
+                        # The chunked loss costs a recomputed LM head: only where it makes this knob
+                        # combination fit, or fit a larger micro-batch.
+                        chunked = _largest_fitting_micro_batch(
+                            search, capacity, limit, replace(template, chunked_loss=True), micro_batches,
+                            per_gpu_batch, must_beat=micro or 0,
+                        )  # fmt: skip
+                        micro = chunked if chunked is not None else micro
                     if micro is not None:
                         fitted[(stage, opt, params, ckpt)] = micro
     if not tried:
@@ -399,11 +410,16 @@ def _largest_fitting_micro_batch(
     template: Strategy,
     micro_batches: list[int],
     per_gpu_batch: int,
+    must_beat: int | None = None,
 ) -> int | None:
     """Find the largest micro-batch that fits and record it (returning it), or the nearest miss.
-    ``per_gpu_batch`` (sequences per GPU per optimizer step) sets the accumulation of each micro-batch."""
+    ``per_gpu_batch`` (sequences per GPU per optimizer step) sets the accumulation of each micro-batch;
+    with ``must_beat`` (0: any) a fit is recorded only when its micro-batch is larger, and nothing is tried
+    where the host falls short (another attempt of the same knobs recorded that miss)."""
     static = search.static_memory(template)
     trainable = static.trainable
+    if must_beat is not None and _shortfall_ratio_of(0, static.cpu_per_node, static.nvme_per_node, 1, capacity) > 1:
+        return None  # the host falls short whatever the micro-batch: the plain attempt recorded the miss
 
     def attempt(micro: int) -> _Evaluated:
         accumulation = per_gpu_batch // micro
@@ -431,7 +447,7 @@ def _largest_fitting_micro_batch(
     best: _Evaluated | None = None
     largest = attempt(micro_batches[0])
     if largest.fits:
-        return _record_fit(search, largest)
+        return _record_fit(search, largest, must_beat)
     smallest = attempt(micro_batches[-1]) if len(micro_batches) > 1 else largest
     if smallest.fits:
         best = smallest
@@ -444,13 +460,15 @@ def _largest_fitting_micro_batch(
             else:
                 low = middle + 1
     if best is not None:
-        return _record_fit(search, best)
+        return _record_fit(search, best, must_beat)
     if known is None or smallest.miss_ratio < known.miss_ratio:
         search.nearest_misses[key] = smallest
     return None
 
 
-def _record_fit(search: _Search, fit: _Evaluated) -> int:
+def _record_fit(search: _Search, fit: _Evaluated, must_beat: int | None = None) -> int | None:
+    if must_beat is not None and fit.micro_batch_size <= must_beat:
+        return None
     strategy = fit.strategy
     step = step_seconds(search.shape, strategy, fit.capacity, search.sequence_length, fit.trainable)
     tokens = strategy.gpus * strategy.micro_batch_size * strategy.gradient_accumulation_steps * search.sequence_length

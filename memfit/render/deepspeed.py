@@ -48,7 +48,7 @@ def deepspeed_config(spec: FineTuneJobSpec, strategy: Strategy) -> dict[str, Any
     never a config: the planner does not produce one."""
     s = strategy
     conflicts = strategy_conflicts(
-        s.method, s.precision, s.zero_stage, s.offload_optimizer, s.offload_parameters, s.optimizer
+        s.method, s.precision, s.zero_stage, s.offload_optimizer, s.offload_parameters, s.optimizer, s.chunked_loss
     )
     if conflicts:
         raise ValueError(f"strategy {strategy.summary()!r} cannot run as planned: " + "; ".join(conflicts))

@@ -110,6 +110,7 @@ def render_trainer_config(
             precision=strategy.precision,
             gradient_checkpointing=strategy.gradient_checkpointing,
             attention=strategy.attention,
+            chunked_loss=strategy.chunked_loss,
             seed=training.seed,
             checkpoint_every_steps=training.checkpoint_every_steps,
             lora=LoraConfig.model_validate(spec.lora.model_dump()),

@@ -80,6 +80,7 @@ def make_config(
     name: str = "run",
     data: Path | None = None,
     world_size: int = WORLD_SIZE,
+    chunked_loss: bool = False,
 ) -> TrainerConfig:
     data = data or write_corpus(tmp_path / "corpus.jsonl")
     return TrainerConfig(
@@ -100,6 +101,7 @@ def make_config(
             checkpoint_every_steps=checkpoint_every,
             keep_checkpoints=2,
             lora=LoraConfig(rank=8, alpha=16, dropout=0.0),
+            chunked_loss=chunked_loss,
         ),
         output_dir=str(tmp_path / name / "output"),
         deepspeed=deepspeed_config(

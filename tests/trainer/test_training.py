@@ -81,6 +81,50 @@ def test_qlora_with_8bit_client_optimizer_learns(tmp_path: Path) -> None:
     assert (output / "final" / "adapter_model.safetensors").is_file()
 
 
+def kill_after_first_checkpoint_and_resume(config_path: Path, checkpoints: Path, tmp_path: Path):
+    """Run until the first checkpoint (held there by a test hook), SIGKILL it, run again to the end."""
+    never = tmp_path / "never-released"
+    process = subprocess.Popen(
+        torchrun_command(config_path), env=trainer_env(**{HOLD_ENV: f"{RESUME_EVERY}:{never}"}),
+        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 600
+        while not (checkpoints / f"step-{RESUME_EVERY:06d}").is_dir():
+            assert process.poll() is None, "the run ended before its first checkpoint"
+            assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
+            time.sleep(0.1)
+        kill_tree(process.pid)
+    finally:
+        process.wait()
+    resumed = run_trainer(config_path)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    resumed_from = re.search(r"resumed from checkpoint step (\d+)", resumed.stdout)
+    assert resumed_from is not None and int(resumed_from.group(1)) == RESUME_EVERY, resumed.stdout
+    return resumed
+
+
+def test_chunked_loss_learns_and_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    """training.chunkedLoss: the LM head inside the chunked cross-entropy; full fine-tuning under ZeRO-2
+    learns, and a run killed after its first checkpoint ends exactly where the uninterrupted one ends."""
+    options = dict(method="full", stage=2, offload=False, max_steps=16, checkpoint_every=RESUME_EVERY,
+                   chunked_loss=True)  # fmt: skip
+    (tmp_path / "reference").mkdir()
+    (tmp_path / "killed").mkdir()
+    reference_output, reference_losses, stdout = train_ok(tmp_path / "reference", **options)
+    assert "loss: chunked cross-entropy (pytorch)" in stdout
+    assert_learned(reference_losses, 16, margin=1.0)
+
+    config = make_config(tmp_path / "killed", **options)
+    config_path = write_config(config, tmp_path / "killed" / "config.json")
+    resumed = kill_after_first_checkpoint_and_resume(config_path, config.checkpoint_dir, tmp_path)
+    assert logged_losses(resumed.stdout)[16] == reference_losses[16]
+    weights = load_file(Path(config.output_dir) / "final" / "model.safetensors")
+    expected = load_file(reference_output / "final" / "model.safetensors")
+    assert weights.keys() == expected.keys()
+    assert all(torch.equal(weights[name], expected[name]) for name in expected)
+
+
 def test_killed_run_resumes_from_its_last_checkpoint(
     tmp_path: Path, lora_run: tuple[Path, dict[int, float], str]
 ) -> None:

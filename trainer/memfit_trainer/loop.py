@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from memfit.api.vocabulary import Method
 from memfit.contract.trainer_config import ConfigError, TrainerConfig
 from memfit_trainer.checkpoint import CheckpointManager, fsync_tree, load_rng_state, save_rng_state
+from memfit_trainer.chunked_loss import causal_lm_loss, select_kernel, unwrap_causal_lm
 from memfit_trainer.console import ConsoleProgress
 from memfit_trainer.data import DataPosition, DataSource, PackedBatches, build_batches
 from memfit_trainer.engine import build_engine, total_optimizer_steps
@@ -149,6 +151,20 @@ def _mean_across_ranks(value: torch.Tensor) -> float:
     return value.item() / dist.get_world_size()
 
 
+def _loss_function(
+    config: TrainerConfig, engine: Any, device: torch.device, progress: ConsoleProgress
+) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
+    """The micro-batch's loss: the model's own (``outputs.loss``), or with ``training.chunked_loss`` the
+    chunked cross-entropy with the LM head inside it (its implementation chosen here, once, and logged).
+    The config refuses the chunked loss under ZeRO-3, where the head's weight is partitioned."""
+    if not config.training.chunked_loss:
+        return lambda batch: cast(torch.Tensor, engine(**batch).loss)
+    name, kernel = select_kernel(device)
+    progress.message(f"loss: chunked cross-entropy ({name})")
+    causal_lm = unwrap_causal_lm(engine)
+    return lambda batch: causal_lm_loss(engine, causal_lm, batch, kernel)
+
+
 def train(config: TrainerConfig, ranks: Ranks, metrics: TrainerMetrics, guard: OomGuard) -> None:
     """Run (or finish) the training the config describes; collective over all ranks.
 
@@ -178,6 +194,7 @@ def train(config: TrainerConfig, ranks: Ranks, metrics: TrainerMetrics, guard: O
         torch.manual_seed(training.seed + ranks.rank)  # dropout differs per rank, reproducibly
 
     device = engine.device
+    loss_of = _loss_function(config, engine, device, progress)
     accumulation = training.gradient_accumulation_steps
     samples_per_rank = training.micro_batch_size * accumulation  # per optimizer step
     tokens_per_rank = samples_per_rank * training.sequence_length
@@ -188,10 +205,10 @@ def train(config: TrainerConfig, ranks: Ranks, metrics: TrainerMetrics, guard: O
         loss_sum = torch.zeros((), device=device)
         for _ in range(accumulation):
             position, batch = next(stream)
-            outputs = engine(**{k: v.to(device) for k, v in batch.items()})
-            engine.backward(outputs.loss)
+            loss = loss_of({k: v.to(device) for k, v in batch.items()})
+            engine.backward(loss)
             engine.step()
-            loss_sum += outputs.loss.detach().float()
+            loss_sum += loss.detach().float()
         _inject_oom(step + 1)
         step += 1
         loss_value = _mean_across_ranks(loss_sum / accumulation)

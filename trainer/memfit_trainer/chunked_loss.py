@@ -1,0 +1,217 @@
+"""Chunked cross-entropy (``training.chunked_loss``): the LM head and the loss, a chunk of tokens at a time.
+
+The plain loss materialises the full-vocabulary logits, their fp32 copy and the fp32 gradient (12 bytes per
+token and vocabulary entry). :class:`ChunkedCrossEntropy` takes the final hidden states and the LM-head
+weight instead: its forward computes each chunk's logits, keeps only one fp32 log-sum-exp per token, and
+drops them; its backward recomputes each chunk's logits, forms softmax minus one-hot and accumulates the
+hidden states' and the weight's gradients chunk by chunk. Alive at once: one chunk's fp32 logits (and their
+16-bit cast), never the full logits. The memory model counts exactly these tensors
+(``memfit.memory.activations.head_and_loss``, checked by MemTracker traces of :func:`causal_lm_loss`).
+
+Same loss as ``transformers``' causal-LM loss: labels shifted by one, ``-100`` ignored, mean over the
+tokens that count; Gemma 2's final logit soft-capping and an LM-head bias are applied as the model does.
+
+On CUDA a fused kernel is used where installed (Liger Kernel's fused linear cross-entropy, else Apple's
+cut-cross-entropy), chosen once at start (:func:`select_kernel`) and said in the log; elsewhere, and when
+neither is installed, this pure-PyTorch function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from memfit.memory.activations import loss_chunk_tokens
+
+IGNORE_INDEX = -100
+PYTORCH, LIGER, CUT_CROSS_ENTROPY = "pytorch", "liger-kernel", "cut-cross-entropy"
+
+
+def _chunk_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk's fp32 logits (soft-capped where the model caps them) and, when capped, the tanh the
+    gradient needs."""
+    raw = hidden @ weight.t()
+    if bias is not None:
+        raw += bias
+    logits = raw.float()
+    del raw
+    if softcap is None:
+        return logits, None
+    tanh = torch.tanh(logits.div_(softcap))
+    del logits
+    return tanh * softcap, tanh
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of ``hidden @ weight.T (+ bias)`` against ``labels`` (already shifted), computed
+    ``chunk_tokens`` rows at a time; the logits are recomputed in backward."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        labels: torch.Tensor,
+        chunk_tokens: int,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        lse = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, tokens, chunk_tokens):
+            end = min(start + chunk_tokens, tokens)
+            logits, tanh = _chunk_logits(hidden[start:end], weight, bias, softcap)
+            del tanh
+            target = labels[start:end]
+            picked = logits.gather(1, target.clamp(min=0).unsqueeze(1)).squeeze(1)
+            # log-sum-exp in place: no second logits-sized buffer
+            top = logits.amax(dim=-1, keepdim=True)
+            total = logits.sub_(top).exp_().sum(dim=-1)
+            del logits
+            lse[start:end] = total.log_().add_(top.squeeze(1))
+            loss += ((lse[start:end] - picked) * (target != IGNORE_INDEX)).sum()
+        count = (labels != IGNORE_INDEX).sum().clamp(min=1).float()
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, count)
+        ctx.chunk_tokens, ctx.softcap = chunk_tokens, softcap
+        return loss / count
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> Any:
+        hidden, weight, bias, labels, lse, count = ctx.saved_tensors
+        scale = grad_outputs[0].float() / count
+        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if needs_hidden else None
+        grad_weight = torch.zeros_like(weight) if needs_weight else None
+        grad_bias = torch.zeros_like(bias) if bias is not None and needs_bias else None
+        tokens, chunk = hidden.shape[0], ctx.chunk_tokens
+        for start in range(0, tokens, chunk):
+            end = min(start + chunk, tokens)
+            part = hidden[start:end]
+            probabilities, tanh = _chunk_logits(part, weight, bias, ctx.softcap)
+            probabilities.sub_(lse[start:end].unsqueeze(1)).exp_()  # softmax
+            target = labels[start:end]
+            rows = torch.arange(end - start, device=hidden.device)
+            probabilities[rows, target.clamp(min=0)] -= 1  # minus one-hot
+            probabilities.mul_(((target != IGNORE_INDEX) * scale).unsqueeze(1))
+            if tanh is not None:  # d(cap * tanh(x / cap))/dx = 1 - tanh^2
+                probabilities.mul_(tanh.mul_(tanh).neg_().add_(1))
+                del tanh
+            gradient = probabilities.to(weight.dtype)
+            del probabilities
+            if grad_hidden is not None:
+                torch.mm(gradient, weight, out=grad_hidden[start:end])
+            if grad_weight is not None:
+                grad_weight.addmm_(gradient.t(), part)
+            if grad_bias is not None:
+                grad_bias += gradient.sum(0)
+            del gradient
+        return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """``transformers``' causal-LM shift: position i predicts token i + 1; the last position is ignored."""
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    chunk_tokens: int | None = None,
+) -> torch.Tensor:
+    """Mean cross-entropy of the logits ``hidden @ weight.T`` against the shifted ``labels`` (pure PyTorch).
+
+    ``hidden`` is ``(..., hidden_size)`` and ``labels`` the matching ``(...)`` shape, already shifted;
+    ``chunk_tokens`` defaults to what the memory model assumes (``loss_chunk_tokens``)."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    targets = labels.reshape(-1)
+    if weight.dtype != flat.dtype:
+        weight = weight.to(flat.dtype)  # e.g. a head upcast by peft's k-bit preparation
+    chunk = chunk_tokens or loss_chunk_tokens(flat.shape[0], weight.shape[0])
+    loss: torch.Tensor = ChunkedCrossEntropy.apply(  # type: ignore[no-untyped-call]  # unannotated in torch
+        flat, weight, bias, targets, chunk, softcap
+    )
+    return loss
+
+
+LossFunction = Callable[..., torch.Tensor]
+
+
+def _liger() -> LossFunction:
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    def loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, bias: Any = None,
+             softcap: float | None = None, chunk_tokens: int | None = None) -> torch.Tensor:  # fmt: skip
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        return liger_fused_linear_cross_entropy(  # type: ignore[no-any-return]
+            flat, weight.to(flat.dtype), labels.reshape(-1), bias=bias, ignore_index=IGNORE_INDEX, softcap=softcap
+        )
+
+    return loss
+
+
+def _cut_cross_entropy() -> LossFunction:
+    from cut_cross_entropy import linear_cross_entropy
+
+    def loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, bias: Any = None,
+             softcap: float | None = None, chunk_tokens: int | None = None) -> torch.Tensor:  # fmt: skip
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        return linear_cross_entropy(  # type: ignore[no-any-return]
+            flat, weight.to(flat.dtype), labels.reshape(-1), bias=bias, ignore_index=IGNORE_INDEX, softcap=softcap
+        )
+
+    return loss
+
+
+def select_kernel(device: torch.device) -> tuple[str, LossFunction]:
+    """The loss implementation for ``device``: a fused CUDA kernel where one is installed, else the
+    pure-PyTorch :func:`chunked_cross_entropy` (always on CPU). Chosen once, at start."""
+    if device.type == "cuda":
+        for name, make in ((LIGER, _liger), (CUT_CROSS_ENTROPY, _cut_cross_entropy)):
+            try:
+                return name, make()
+            except ImportError:
+                continue
+    return PYTORCH, chunked_cross_entropy
+
+
+def unwrap_causal_lm(model: Any) -> Any:
+    """The ``transformers`` causal LM inside a DeepSpeed engine and/or a peft model."""
+    model = getattr(model, "module", model)  # DeepSpeed engine
+    get_base = getattr(model, "get_base_model", None)  # peft
+    return get_base() if get_base is not None else model
+
+
+def causal_lm_loss(
+    forward: Callable[..., Any],
+    causal_lm: Any,
+    batch: dict[str, torch.Tensor],
+    loss_function: LossFunction = chunked_cross_entropy,
+) -> torch.Tensor:
+    """The loss of ``batch`` with the LM head inside the loss: ``forward`` (the engine, the peft model or
+    the model itself) runs the decoder and computes no logits (``logits_to_keep`` selects no position);
+    the final norm's output is taken from the decoder and goes with the head's weight to the loss."""
+    captured: list[torch.Tensor] = []
+
+    def keep_output(module: Any, args: Any, output: Any) -> None:
+        captured.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
+
+    handle = causal_lm.get_decoder().register_forward_hook(keep_output)
+    inputs = {name: value for name, value in batch.items() if name != "labels"}
+    no_position = torch.empty(0, dtype=torch.long, device=batch["input_ids"].device)
+    try:
+        forward(**inputs, logits_to_keep=no_position)
+    finally:
+        handle.remove()
+    head = causal_lm.get_output_embeddings()
+    softcap = getattr(causal_lm.config, "final_logit_softcapping", None)
+    return loss_function(captured[-1], head.weight, shift_labels(batch["labels"]), bias=head.bias, softcap=softcap)
