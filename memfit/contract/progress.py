@@ -40,7 +40,7 @@ TOTAL_STEPS_METRIC = "memfit_train_total_steps"
 ETA_METRIC = "memfit_train_eta_seconds"
 TOKENS_PER_SECOND_METRIC = "memfit_train_tokens_per_second"
 CHECKPOINT_STEP_METRIC = "memfit_checkpoint_last_step"
-"""The series of rank 0's /metrics the operator reads progress from (the operator's progress reader)."""
+"""The series of rank 0's /metrics the operator reads progress from."""
 
 
 class Progress(ApiModel):
