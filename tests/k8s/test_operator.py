@@ -389,7 +389,9 @@ def test_operator_metrics(api: client.ApiClient, operator: OperatorProcess) -> N
     }
     assert samples[("memfit_job_phase", (("finetunejob", "research/counted"), ("phase", "Launching")))] == 1
     assert samples[("memfit_operator_jobs", (("phase", "Launching"),))] >= 1
-    assert samples[("memfit_operator_plans_total", (("method", "full"), ("zero_stage", "2")))] >= 1
+    strategy = read_job(api, "counted")["status"]["plan"]["strategy"]
+    planned = (("method", strategy["method"]), ("zero_stage", str(strategy["zeroStage"])))
+    assert samples[("memfit_operator_plans_total", planned)] >= 1
     assert samples[("memfit_operator_reconcile_duration_seconds_count", ())] > 0
     assert samples[("memfit_operator_handler_errors_total", (("handler", "follow_job"),))] == 0, operator.tail()
     log = operator.log.read_text()
