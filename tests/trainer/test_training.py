@@ -97,6 +97,7 @@ def kill_after_first_checkpoint_and_resume(config_path: Path, checkpoints: Path,
         kill_tree(process.pid)
     finally:
         process.wait()
+    assert not (checkpoints.parent.parent / "final").exists(), "the run finished before it could be killed"
     resumed = run_trainer(config_path)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     resumed_from = re.search(r"resumed from checkpoint step (\d+)", resumed.stdout)
@@ -133,28 +134,8 @@ def test_killed_run_resumes_from_its_last_checkpoint(
         tmp_path, method="lora", learning_rate=1e-2, max_steps=RESUME_STEPS, checkpoint_every=RESUME_EVERY
     )
     config_path = write_config(config, tmp_path / "config.json")
-    checkpoints = config.checkpoint_dir
     # The run holds after its first checkpoint (a test hook) until killed: killed there whatever the speed.
-    never = tmp_path / "never-released"
-    process = subprocess.Popen(
-        torchrun_command(config_path), env=trainer_env(**{HOLD_ENV: f"{RESUME_EVERY}:{never}"}),
-        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 600
-        while not (checkpoints / f"step-{RESUME_EVERY:06d}").is_dir():
-            assert process.poll() is None, "the run ended before its first checkpoint"
-            assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
-            time.sleep(0.1)
-        kill_tree(process.pid)
-    finally:
-        process.wait()
-    assert not (Path(config.output_dir) / "final").exists(), "the run finished before it could be killed"
-
-    resumed = run_trainer(config_path)
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    resumed_from = re.search(r"resumed from checkpoint step (\d+)", resumed.stdout)
-    assert resumed_from is not None and int(resumed_from.group(1)) == RESUME_EVERY, resumed.stdout
+    resumed = kill_after_first_checkpoint_and_resume(config_path, config.checkpoint_dir, tmp_path)
     losses = logged_losses(resumed.stdout)
     assert losses[RESUME_STEPS] == reference_losses[RESUME_STEPS]
     adapter = load_file(Path(config.output_dir) / "final" / "adapter_model.safetensors")
