@@ -86,7 +86,7 @@ from pydantic import ValidationError
 from memfit.api.finetunejob import FineTuneJob
 from memfit.api.gpupool import GPUPool
 from memfit.api.plan import PlanCandidate, PlanResult, Strategy
-from memfit.api.vocabulary import Attention, Method, Offload, Optimizer, Precision
+from memfit.api.vocabulary import Attention, MasterWeights, Method, Offload, Optimizer, Precision
 from memfit.cli.local_machine import LocalMachine, inspect_machine, local_pool
 from memfit.contract.progress import Progress, read_progress
 from memfit.contract.trainer_config import ConfigError, load_config
@@ -161,6 +161,9 @@ class Case:
     """Micro-batches per optimizer step on each GPU."""
     optimizer: Optimizer = Optimizer.ADAMW
     attention: Attention = Attention.SDPA
+    chunked_loss: bool = False
+    activation_offloading: bool = False
+    master_weights: MasterWeights = MasterWeights.FP32
 
     @property
     def name(self) -> str:
@@ -177,6 +180,12 @@ class Case:
             parts.append(self.optimizer.value)
         if self.attention != Attention.SDPA:
             parts.append(self.attention.value)
+        if self.chunked_loss:
+            parts.append("chunkedce")
+        if self.activation_offloading:
+            parts.append("actcpu")
+        if self.master_weights != MasterWeights.FP32:
+            parts.append(f"{self.master_weights.value}masters")
         return "-".join(parts)
 
     def global_batch_size(self, ranks: int) -> int:
@@ -230,6 +239,36 @@ MATRIX: tuple[Case, ...] = (
     _case("llama-3.1-8b", _LORA, 1, 2048),
     _case("llama-3.1-8b", _LORA, 4, 4096, gradient_checkpointing=True),
     _case("llama-3.1-8b", _QLORA, 2, 2048, gradient_checkpointing=True),
+    # The memory-saving techniques, alone and together (issue 11's two published comparisons among them).
+    _case("qwen2.5-0.5b", _FULL, 8, 2048, gradient_checkpointing=True, chunked_loss=True),
+    _case("qwen2.5-0.5b", _FULL, 8, 2048, gradient_checkpointing=True, activation_offloading=True),
+    _case("qwen2.5-1.5b", _FULL, 4, 1024, zero_stage=2, master_weights=MasterWeights.BF16),
+    _case(
+        "llama-3.2-3b",
+        _FULL,
+        2,
+        4096,
+        gradient_checkpointing=True,
+        chunked_loss=True,
+        master_weights=MasterWeights.BF16,
+    ),  # fmt: skip
+    _case(
+        "llama-3.2-3b",
+        _FULL,
+        2,
+        4096,
+        gradient_checkpointing=True,
+        chunked_loss=True,
+        activation_offloading=True,
+        master_weights=MasterWeights.BF16,
+    ),  # fmt: skip
+    _case("llama-3.1-8b", _QLORA, 2, 2048, gradient_checkpointing=True, chunked_loss=True),
+    _case(
+        "llama-3.1-8b", _QLORA, 2, 2048, gradient_checkpointing=True, chunked_loss=True, activation_offloading=True
+    ),  # fmt: skip
+    _case(
+        "llama-3.1-8b", _LORA, 2, 2048, gradient_checkpointing=True, chunked_loss=True, activation_offloading=True
+    ),  # fmt: skip
 )
 """Every case, smallest first. Knobs are per GPU: with --gpus N each case keeps its micro-batch and
 accumulation per GPU and its global batch grows N-fold."""
@@ -253,6 +292,9 @@ def job_document(case: Case, *, ranks: int = 1, steps: int = DEFAULT_STEPS) -> d
         "gradientCheckpointing": case.gradient_checkpointing,
         "microBatchSize": case.micro_batch_size,
         "attention": case.attention.value,
+        "chunkedLoss": case.chunked_loss,
+        "activationOffloading": case.activation_offloading,
+        "masterWeights": case.master_weights.value,
     }
     return {
         "apiVersion": "memfit.dev/v1alpha1",
@@ -286,35 +328,23 @@ def build_job(case: Case, *, ranks: int = 1, steps: int = DEFAULT_STEPS) -> Fine
     return FineTuneJob.model_validate(job_document(case, ranks=ranks, steps=steps))
 
 
+CASE_KNOBS = {
+    "method": "method", "zero stage": "zero_stage", "optimizer offload": "offload_optimizer",
+    "parameter offload": "offload_parameters", "gradient checkpointing": "gradient_checkpointing",
+    "micro-batch": "micro_batch_size", "optimizer": "optimizer", "attention": "attention",
+    "chunked loss": "chunked_loss", "activation offloading": "activation_offloading",
+    "master weights": "master_weights",
+}  # fmt: skip
+"""The knobs a case pins, by the name a mismatch gives them: the same attribute of a Case and a Strategy."""
+
+
 def case_mismatch(case: Case, strategy: Strategy, ranks: int) -> str | None:
     """How ``strategy`` differs from what ``case`` pins (None: it is exactly the case)."""
-    wanted: dict[str, object] = {
-        "method": case.method.value,
-        "GPUs": ranks,
-        "zero stage": case.zero_stage,
-        "optimizer offload": case.offload_optimizer.value,
-        "parameter offload": case.offload_parameters.value,
-        "gradient checkpointing": case.gradient_checkpointing,
-        "micro-batch": case.micro_batch_size,
-        "accumulation": case.accumulation,
-        "precision": Precision.BF16.value,
-        "optimizer": case.optimizer.value,
-        "attention": case.attention.value,
-    }
-    got: dict[str, object] = {
-        "method": str(strategy.method),
-        "GPUs": strategy.gpus,
-        "zero stage": int(strategy.zero_stage),
-        "optimizer offload": str(strategy.offload_optimizer),
-        "parameter offload": str(strategy.offload_parameters),
-        "gradient checkpointing": strategy.gradient_checkpointing,
-        "micro-batch": strategy.micro_batch_size,
-        "accumulation": strategy.gradient_accumulation_steps,
-        "precision": str(strategy.precision),
-        "optimizer": str(strategy.optimizer),
-        "attention": str(strategy.attention),
-    }
-    differences = [f"{key} {got[key]} (case: {value})" for key, value in wanted.items() if got[key] != value]
+    pairs = {label: (getattr(strategy, name), getattr(case, name)) for label, name in CASE_KNOBS.items()}
+    pairs["GPUs"] = (strategy.gpus, ranks)
+    pairs["accumulation"] = (strategy.gradient_accumulation_steps, case.accumulation)
+    pairs["precision"] = (strategy.precision, Precision.BF16)
+    differences = [f"{key} {str(got)} (case: {str(wanted)})" for key, (got, wanted) in pairs.items() if got != wanted]
     return "; ".join(differences) or None
 
 

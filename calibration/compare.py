@@ -62,6 +62,7 @@ def activation_estimate(record: dict[str, Any]) -> ActivationEstimate:
         lora_dropout=bool(settings["lora_dropout"]),
         adapter_bytes=4,  # traced with plain peft, which keeps adapters in fp32
         chunked_loss=settings.get("chunked_loss", False),
+        activation_offloading=settings.get("activation_offloading", False),
     )
     return estimate_activations(shape, setup)
 

@@ -14,7 +14,10 @@ the CPU path differs from a GPU run, the trace says so rather than pretending:
   (output plus fp32 log-sum-exp) but has no ``dq_accum`` scratch in backward;
 * dropout on CPU would keep a mask of the input's dtype; the trace routes it through ``native_dropout``,
   the kernel CUDA uses, which keeps a bool mask (see :func:`_cuda_like_dropout`);
-* MemTracker rounds nothing on CPU (the CUDA caching allocator rounds blocks to 512 bytes).
+* MemTracker rounds nothing on CPU (the CUDA caching allocator rounds blocks to 512 bytes);
+* activation offloading (``memfit_trainer.activation_offload``, the trainer's own hooks) copies to the
+  ``meta`` device, the trace's stand-in for host memory: those bytes leave the traced device, as they
+  leave a GPU, and are reported apart (``HOST``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.api.vocabulary import Attention, Method, Optimizer, Precision
 from memfit.model_shape import ModelShape
+from memfit_trainer.activation_offload import offload_activations
 from memfit_trainer.chunked_loss import causal_lm_loss, unwrap_causal_lm
 from memfit_trainer.hf_config import transformers_config
 
@@ -45,6 +49,8 @@ CausalMask = Literal["implicit", "explicit"]
 
 CATEGORIES: tuple[str, ...] = ("PARAM", "BUFFER", "GRAD", "ACT", "TEMP", "OPT", "OTH")
 """MemTracker's categories by enum member name (``OTH`` holds externally tracked inputs)."""
+HOST = torch.device("meta")
+"""Where offloaded activations go in a trace: bytes there are host memory, not in the traced device's total."""
 
 _TORCH_DTYPES: dict[Precision, torch.dtype] = {Precision.BF16: torch.bfloat16, Precision.FP32: torch.float32}
 _STATE_CATEGORIES = ("PARAM", "BUFFER", "GRAD", "OPT")
@@ -89,7 +95,8 @@ class _PhaseMemTracker(MemTracker):  # type: ignore[no-untyped-call]  # torch's 
         self._records.append((_categories(self._curr_mem_snap), tuple(self._live_temp.values())))
 
     def phase_summary(self) -> dict[str, dict[str, int]]:
-        """Breakdowns at the phase's peak, at its end, and at its peak of non-state memory; then restart."""
+        """Breakdowns at the phase's peak, at its end, at its peak of non-state memory and at its peak of
+        host memory (offloaded activations); then restart."""
         self._update_peak_stats(None)
         moments = [_relabel_gradients(categories, temps) for categories, temps in self._records]
         self._records.clear()
@@ -98,6 +105,7 @@ class _PhaseMemTracker(MemTracker):  # type: ignore[no-untyped-call]  # torch's 
             "peak": max(moments, key=lambda c: c["total"]),
             "end": moments[-1],
             "transient_peak": max(moments, key=_transient),
+            "host_peak": max(moments, key=lambda c: c["HOST"]),
         }
 
 
@@ -115,10 +123,14 @@ def _relabel_gradients(categories: dict[str, int], live_temp: tuple[Any, ...]) -
 
 
 def _categories(snapshot: dict[torch.device, dict[Any, int]]) -> dict[str, int]:
-    """Flatten a MemTracker snapshot (one device here) into ``{category name: bytes, "total": bytes}``."""
-    out = dict.fromkeys((*CATEGORIES, "total"), 0)
-    for dev_snap in snapshot.values():
+    """Flatten a MemTracker snapshot into ``{category name: bytes, "total": bytes}`` of the traced device,
+    with ``HOST``: the bytes offloaded to :data:`HOST` (in no category and not in the total)."""
+    out = dict.fromkeys((*CATEGORIES, "total", "HOST"), 0)
+    for device, dev_snap in snapshot.items():
         for key, value in dev_snap.items():
+            if device == HOST:
+                out["HOST"] += 0 if isinstance(key, _MemRefType) else value
+                continue
             out[key.name if isinstance(key, _MemRefType) else "total"] += value
     return out
 
@@ -270,6 +282,7 @@ def trace_training_step(
     causal_mask: CausalMask = "implicit",
     steps: int = 2,
     chunked_loss: bool = False,
+    activation_offloading: bool = False,
 ) -> dict[str, Any]:
     """Run ``steps`` training steps on fake tensors and measure the last one with MemTracker.
 
@@ -284,12 +297,16 @@ def trace_training_step(
     optimizer states at the peak), and for each phase (``forward`` includes the loss, ``backward``,
     ``optimizer``) its peak breakdown, the breakdown when it ended, and ``transient_peak``: the breakdown
     at the phase's maximum of non-state memory (activations + temporaries), which need not coincide with
-    the total's peak because gradients accumulate during backward.
+    the total's peak because gradients accumulate during backward. With ``activation_offloading`` (which
+    needs ``gradient_checkpointing``) the trainer's offload hooks move the checkpointed layers' inputs to
+    :data:`HOST`; ``host_peak_bytes`` is the most they held at once.
     """
     if optimizer != Optimizer.ADAMW:
         raise ValueError(f"unsupported optimizer {optimizer!r}: only adamw is traced")
     if steps < 1:
         raise ValueError("steps must be at least 1")
+    if activation_offloading and not gradient_checkpointing:
+        raise ValueError("activation offloading moves checkpointed layers' inputs: it needs gradient_checkpointing")
     import transformers
 
     settings: dict[str, Any] = {
@@ -307,10 +324,13 @@ def trace_training_step(
         "causal_mask": causal_mask,
         "steps": steps,
         "chunked_loss": chunked_loss,
+        "activation_offloading": activation_offloading,
     }
     model = _build_model(
         shape, dtype, attention, gradient_checkpointing, trainable, lora_rank, lora_targets, lora_dropout
     )
+    if activation_offloading:  # the trainer's hooks (memfit_trainer.loop), copying to the stand-in host
+        offload_activations(model, host=HOST)
     with _fake_run(causal_mask):
         _fake_weights(model)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -356,6 +376,7 @@ def trace_training_step(
         "at_peak": at_peak,
         "activation_bytes": _transient(at_peak),
         "transient_peak_bytes": max(_transient(p["transient_peak"]) for p in phases.values()),
+        "host_peak_bytes": max(p["host_peak"]["HOST"] for p in phases.values()),
         "start": start,
         "phases": phases,
     }

@@ -27,10 +27,11 @@ CANDIDATE_KEYS = {
     "gpuMemoryBytes",
     "fits",
     "throughput",
+    "techniques",
 }
 STRATEGY_KEYS = {"method", "pool", "nodes", "gpusPerNode", "zeroStage", "offloadOptimizer", "offloadParameters",
                  "gradientCheckpointing", "microBatchSize", "gradientAccumulationSteps", "precision", "optimizer",
-                 "attention", "chunkedLoss"}  # fmt: skip
+                 "attention", "chunkedLoss", "activationOffloading", "masterWeights"}  # fmt: skip
 PER_GPU_KEYS = {"parameters", "gradients", "optimizerStates", "activations", "overhead", "peakAllocatedBytes", "total"}
 
 

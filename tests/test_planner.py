@@ -25,9 +25,15 @@ def test_7b_full_on_8_a100_80gb_shards_states_over_all_gpus() -> None:
     assert chosen.strategy.method == "full" and chosen.strategy.gpus == 8
     assert chosen.strategy.zero_stage >= 1  # 16 bytes x 6.7B parameters cannot sit on one GPU unsharded
     assert chosen.memory.per_gpu.total <= 0.9 * 80 * GIB
-    unsharded = plan_job(job("llama-2-7b", "full", strategy={"zeroStage": 0}), [A100_NODE])
+    assert chosen.strategy.master_weights == "fp32"  # fp32 masters fit: the planner keeps them
+    unsharded = plan_job(job("llama-2-7b", "full", strategy={"zeroStage": 0, "masterWeights": "fp32"}), [A100_NODE])
     assert unsharded.chosen is None
     assert unsharded.rejected[0].reason.startswith("GPU memory: needs 1")  # over 100 GiB
+    # Unpinned, nothing fits unsharded with fp32 masters, so the planner takes pure bf16 (8 bytes a parameter)
+    # and says why.
+    pure = plan_job(job("llama-2-7b", "full", strategy={"zeroStage": 0}), [A100_NODE]).chosen
+    assert pure is not None and pure.strategy.master_weights == "bf16" and pure.strategy.zero_stage == 0
+    assert pure.techniques == "bf16 master weights: nothing fits with fp32 masters"
 
 
 def test_duplicate_options_are_not_enumerated() -> None:

@@ -13,6 +13,8 @@ from memfit.api.finetunejob import FineTuneJobSpec
 from memfit.api.gpupool import GPUPool
 from memfit.api.loading import load_documents
 from memfit.api.plan import PlanCandidate
+from memfit.api.vocabulary import MasterWeights, Method, Precision
+from memfit.contract.layout import CheckpointLayout
 from memfit.planner.replan import (
     LEANER_BY,
     MAX_HEADROOM_PERCENT,
@@ -65,11 +67,11 @@ def global_batch(plan: PlanCandidate) -> int:
 # ------------------------------------------------------------------------------------------------
 
 
-def test_checkpoint_layout_is_method_precision_zero_stage_and_gpu_count() -> None:
+def test_checkpoint_layout_is_method_precision_zero_stage_gpu_count_and_masters() -> None:
     plan = first_plan(spec(strategy={"chunkedLoss": False}))  # the plan of the zero-2 layout
     s = plan.strategy
-    assert checkpoint_layout(plan) == (s.method, s.precision, s.zero_stage, s.gpus)
-    assert checkpoint_layout(plan) == ("full", "bf16", 2, 8)
+    assert checkpoint_layout(plan) == (s.method, s.precision, s.zero_stage, s.gpus, s.master_weights)
+    assert checkpoint_layout(plan) == ("full", "bf16", 2, 8, "fp32")
 
 
 def test_checkpoint_layout_ignores_knobs_that_do_not_change_the_checkpoint() -> None:
@@ -266,8 +268,9 @@ def test_nothing_leaner_gives_no_plan_advice_and_kept_false() -> None:
         method="full",
         training={"globalBatchSize": 8, "precision": "bf16"},
         resources={"pool": "a100-80gb", "maxGPUs": 8},
-        strategy={"zeroStage": 3, "offloadOptimizer": "cpu", "offloadParameters": "cpu", "gradientCheckpointing": True},
-    )
+        strategy={"zeroStage": 3, "offloadOptimizer": "cpu", "offloadParameters": "cpu", "gradientCheckpointing": True,
+                  "activationOffloading": True},
+    )  # fmt: skip
     failed = first_plan(job)
     result, kept = replan_after_oom(job, POOLS, failed, [failed.strategy.summary()])
     assert result.chosen is None and kept is False and result.advice
@@ -290,3 +293,12 @@ def test_a_user_pinned_micro_batch_still_gives_an_exact_global_batch() -> None:
     assert global_batch(failed) == 64, f"{failed.strategy.summary()} trains {global_batch(failed)} sequences/step"
     result, _ = replan_after_oom(job, POOLS, failed, [failed.strategy.summary()])
     assert result.chosen is not None and global_batch(result.chosen) == 64
+
+
+def test_master_weights_are_part_of_the_checkpoint_layout() -> None:
+    fp32 = CheckpointLayout(Method.FULL, Precision.BF16, 2, 8)
+    bf16 = fp32._replace(master_weights=MasterWeights.BF16)
+    assert fp32.directory_name == "full-bf16-zero2-8ranks"  # the name fp32-master runs always had
+    assert fp32.to_dict() == {"method": "full", "precision": "bf16", "zeroStage": 2, "worldSize": 8}
+    assert bf16 != fp32 and bf16.directory_name == "full-bf16-zero2-8ranks-bf16masters"
+    assert bf16.to_dict() == {**fp32.to_dict(), "masterWeights": "bf16"}

@@ -27,6 +27,7 @@ from memfit.api.plan import PlanCandidate, strategy_conflicts
 from memfit.api.vocabulary import (
     Attention,
     DatasetFormat,
+    MasterWeights,
     Method,
     Offload,
     Optimizer,
@@ -56,6 +57,7 @@ MAX_LORA_RANK: Final = 4096
 """LoRA adapter rank."""
 MAX_GLOBAL_BATCH_SIZE: Final = 65_536
 """Sequences per optimizer step (the planner's work grows with the number of its divisors)."""
+MIN_SEQUENCE_LENGTH: Final = 8
 MAX_SEQUENCE_LENGTH: Final = 1_048_576
 """Tokens per sequence."""
 MAX_GPUS: Final = 640_000
@@ -207,7 +209,7 @@ class TrainingSpec(ApiModel):
 
     global_batch_size: StrictInt = Field(default=32, ge=1, le=MAX_GLOBAL_BATCH_SIZE)
     """Sequences per optimizer step, across all GPUs (1-65536)."""
-    sequence_length: StrictInt = Field(default=2048, ge=8, le=MAX_SEQUENCE_LENGTH)
+    sequence_length: StrictInt = Field(default=2048, ge=MIN_SEQUENCE_LENGTH, le=MAX_SEQUENCE_LENGTH)
     """Tokens per sequence (samples are packed to this length)."""
     epochs: Annotated[int, Strict(), Field(ge=1, le=MAX_STEPS)] | None = None
     """Passes over the dataset. Give this or `maxSteps` (default: 1 epoch)."""
@@ -266,6 +268,13 @@ class StrategySpec(ApiModel):
     chunked_loss: StrictBool | None = None
     """Compute the LM head and the cross-entropy chunk by chunk, recomputed in backward, so the
     full-vocabulary logits never exist (ZeRO 0-2 only)."""
+    activation_offloading: StrictBool | None = None
+    """Keep checkpointed layers' saved inputs in pinned host memory between forward and backward (needs
+    gradientCheckpointing; costs host memory and PCIe traffic)."""
+    master_weights: MasterWeights | None = None
+    """fp32: mixed precision with fp32 master weights (the default the planner prefers). bf16: pure bf16
+    weights, gradients and optimizer states: less memory and different numerics; the planner picks it only
+    where nothing fits with fp32 masters."""
 
 
 class FineTuneJobSpec(ApiModel):
@@ -305,6 +314,9 @@ class FineTuneJobSpec(ApiModel):
             strategy.offload_parameters,
             self.training.optimizer,
             strategy.chunked_loss,
+            gradient_checkpointing=strategy.gradient_checkpointing,
+            activation_offloading=strategy.activation_offloading,
+            master_weights=strategy.master_weights,
         )
         if conflicts:
             raise ValueError("; ".join(conflicts))

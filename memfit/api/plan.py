@@ -14,6 +14,7 @@ from memfit.api.base import ApiModel, to_camel
 from memfit.api.vocabulary import (
     EIGHT_BIT_OPTIMIZERS,
     Attention,
+    MasterWeights,
     Method,
     Offload,
     Optimizer,
@@ -65,6 +66,10 @@ class Strategy:
     chunked_loss: bool = False
     """Whether the LM head and the cross-entropy run chunk by chunk (recomputed in backward), so the
     full-vocabulary logits never exist."""
+    activation_offloading: bool = False
+    """Whether checkpointed layers' saved inputs wait in pinned host memory between forward and backward."""
+    master_weights: MasterWeights = MasterWeights.FP32
+    """fp32 master weights (mixed precision), or pure bf16 weights, gradients and optimizer states."""
 
     @property
     def gpus(self) -> int:
@@ -81,6 +86,10 @@ class Strategy:
             parts.append("ckpt")
         if self.chunked_loss:
             parts.append("chunked-ce")
+        if self.activation_offloading:
+            parts.append("act->cpu")
+        if self.master_weights == MasterWeights.BF16:
+            parts.append("bf16-masters")
         parts += [f"mb{self.micro_batch_size}x{self.gradient_accumulation_steps}", self.precision, self.optimizer]
         return " ".join(parts) + f" on {self.nodes}x{self.gpus_per_node} {self.pool}"
 
@@ -96,6 +105,10 @@ def strategy_conflicts(
     offload_parameters: Offload | None = None,
     optimizer: Optimizer | None = None,
     chunked_loss: bool | None = None,
+    *,
+    gradient_checkpointing: bool | None = None,
+    activation_offloading: bool | None = None,
+    master_weights: MasterWeights | None = None,
 ) -> list[str]:
     """Why a combination of knobs cannot run as planned: the trainer's preflight refuses it, DeepSpeed
     refuses it, or DeepSpeed silently ignores part of it. ``None`` (and ``auto``) is a knob not decided
@@ -134,6 +147,19 @@ def strategy_conflicts(
         conflicts.append(
             "strategy.chunkedLoss needs zeroStage 0-2 (ZeRO-3 partitions the LM head's weight, which the chunked "
             "loss reads whole)"
+        )
+    if activation_offloading and gradient_checkpointing is False:
+        conflicts.append(
+            "strategy.activationOffloading moves the saved inputs of checkpointed layers: it needs "
+            "strategy.gradientCheckpointing true"
+        )
+    bf16_masters = master_weights == MasterWeights.BF16
+    if bf16_masters and precision in (Precision.FP16, Precision.FP32):
+        conflicts.append(f"strategy.masterWeights bf16 needs training.precision bf16 (not {precision})")
+    if bf16_masters and offloads_optimizer:
+        conflicts.append(
+            "strategy.masterWeights bf16 keeps the optimizer on the GPU; with strategy.offloadOptimizer use fp32 "
+            "masters (host memory holds them)"
         )
     return conflicts
 
@@ -263,6 +289,9 @@ class PlanCandidate(ApiModel):
     """Whether the plan fits the GPU (with headroom) and the node's CPU memory and NVMe."""
     throughput: PlanThroughput
     """Estimated speed."""
+    techniques: str | None = None
+    """What the memory-saving techniques the plan uses (chunked loss, activation offloading, bf16 master
+    weights) bought it, e.g. `chunked loss: micro-batch 4 (2 without)`; null when it uses none."""
 
 
 class RejectedCandidate(PlanCandidate):

@@ -52,6 +52,14 @@ class Optimizer(StrEnum):
     LION = "lion"
 
 
+class MasterWeights(StrEnum):
+    """What the optimizer updates: fp32 master copies of the 16-bit weights (mixed precision), or the bf16
+    weights themselves with bf16 gradients and optimizer states (pure bf16: less memory, other numerics)."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+
 EIGHT_BIT_OPTIMIZERS = frozenset({Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT})
 """bitsandbytes' optimizers: their states live on the GPU, so they never combine with optimizer offload."""
 

@@ -25,7 +25,7 @@ INTERNAL_ERROR_LENGTH = 300
 def _plan(args: argparse.Namespace) -> int:
     from memfit.cli.plan_command import run_plan
 
-    return run_plan(args.job, args.inventory, args.output, args.emit_ds_config, args.job_name)
+    return run_plan(args.job, args.inventory, args.output, args.emit_ds_config, args.job_name, args.max_sequence_length)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -94,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the chosen plan's DeepSpeed config JSON here, as the operator renders it",
     )
     plan.add_argument("--job", dest="job_name", metavar="NAME", help="which FineTuneJob, if the file holds several")
+    plan.add_argument(
+        "--max-sequence-length",
+        action="store_true",
+        help="instead of one plan: the longest sequenceLength the job fits on each pool, and the plan that reaches it",
+    )
     plan.set_defaults(handler=_plan)
 
     run = commands.add_parser("run", parents=[debug], help="plan for this machine and train here (--local)")

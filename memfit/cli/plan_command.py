@@ -10,9 +10,11 @@ import yaml
 
 from memfit.api.base import escaped, shown
 from memfit.api.finetunejob import FineTuneJob
+from memfit.api.gpupool import GPUPool
 from memfit.api.loading import InputError, load_documents
 from memfit.cli.exit_codes import ExitCode
-from memfit.cli.plan_table import print_plan_table
+from memfit.cli.plan_table import print_longest_table, print_plan_table
+from memfit.planner.longest import longest_sequence
 from memfit.planner.search import PlanningError, plan_job
 from memfit.render.deepspeed import deepspeed_config
 
@@ -52,8 +54,15 @@ def _error(message: object) -> int:
 
 
 def run_plan(
-    job_path: Path, inventory: list[Path], output: str, ds_config_path: Path | None, job_name: str | None
+    job_path: Path,
+    inventory: list[Path],
+    output: str,
+    ds_config_path: Path | None,
+    job_name: str | None,
+    max_sequence_length: bool = False,
 ) -> int:
+    if max_sequence_length and ds_config_path is not None:
+        return _error("--emit-ds-config writes one plan's config: leave out --max-sequence-length")
     try:
         documents = load_documents(job_path, *inventory)
         job = _select_job(documents.jobs, job_name, job_path)
@@ -62,6 +71,8 @@ def run_plan(
             raise InputError(f"{files}: {len(documents.pools)} GPUPools: memfit plan plans over at most {MAX_POOLS}")
     except InputError as error:
         return _error(error)
+    if max_sequence_length:
+        return _run_longest(job, documents.pools, job_path, output)
     try:
         result = plan_job(job.spec, documents.pools)
     except PlanningError as error:  # the request names something the inventory lacks
@@ -83,3 +94,30 @@ def run_plan(
             return _error(f"{ds_config_path}: cannot write: {error.strerror or error}")
         print(f"DeepSpeed config written to {escaped(str(ds_config_path))}", file=sys.stderr)
     return ExitCode.OK if result.chosen is not None else ExitCode.NO_FIT
+
+
+def _run_longest(job: FineTuneJob, pools: list[GPUPool], job_path: Path, output: str) -> int:
+    """``--max-sequence-length``: one row per pool (exit 1 when the job fits on none at any length)."""
+    try:
+        rows = longest_sequence(job.spec, pools, progress=_progress if output == "table" else None)
+    except PlanningError as error:
+        return _error(f"{job_path}: FineTuneJob {shown(job.metadata.name)}: {error}")
+    if output == "table":
+        print_longest_table(job, rows)
+    else:
+        data = [
+            {
+                "pool": row.pool,
+                "sequenceLength": row.sequence_length,
+                "plan": row.plan.model_dump(by_alias=True, mode="json") if row.plan else None,
+            }
+            for row in rows
+        ]
+        sys.stdout.write(
+            json.dumps(data, indent=2) + "\n" if output == "json" else yaml.safe_dump(data, sort_keys=False)
+        )
+    return ExitCode.OK if any(row.plan for row in rows) else ExitCode.NO_FIT
+
+
+def _progress(pool: str) -> None:
+    print(f"searching the longest sequenceLength on pool {escaped(pool)}...", file=sys.stderr)

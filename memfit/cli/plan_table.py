@@ -13,9 +13,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from memfit.api.finetunejob import FineTuneJob
+from memfit.api.finetunejob import MIN_SEQUENCE_LENGTH, FineTuneJob
 from memfit.api.plan import PerGPUMemory, PhaseMemory, PlanCandidate, PlanResult
 from memfit.api.vocabulary import Offload, StepPhase
+from memfit.planner.longest import LongestSequence
 from memfit.planner.search import speed_ratio
 
 GIB = 1024**3
@@ -62,7 +63,8 @@ def why_lost(candidate: PlanCandidate, chosen: PlanCandidate) -> str:
     if a.micro_batch_size < b.micro_batch_size:
         differences.append(f"micro-batch {a.micro_batch_size}")
     detail = ", ".join(differences) or "more communication"
-    return f"{speed} ({detail})"
+    bought = f"; {candidate.techniques}" if candidate.techniques else ""
+    return f"{speed} ({detail}){bought}"
 
 
 def runners_up(result: PlanResult, limit: int = RUNNERS_UP) -> list[PlanCandidate]:
@@ -78,19 +80,22 @@ def runners_up(result: PlanResult, limit: int = RUNNERS_UP) -> list[PlanCandidat
     return [others[index] for index in sorted(picked + rest[: max(0, limit - len(picked))])]
 
 
+def _new_console() -> Console:
+    return Console(highlight=False, width=max(120, Console().width))
+
+
+def _print_heading(console: Console, job: FineTuneJob, about: str) -> None:
+    """``name: model<about>``, the user's names printed literally."""
+    console.print(Text.assemble(literal(job.metadata.name, "bold"), ": ", literal(job.spec.model.name), about))
+
+
 def print_plan_table(job: FineTuneJob, result: PlanResult, console: Console | None = None) -> None:
-    console = console or Console(highlight=False, width=max(120, Console().width))
+    console = console or _new_console()
     spec = job.spec
     shape, training = spec.model.architecture.shape(), spec.training
-    console.print(
-        Text.assemble(
-            literal(job.metadata.name, "bold"),
-            ": ",
-            literal(spec.model.name),
-            f" ({_params(shape.parameter_count)} parameters), method {spec.method.value}, "
-            f"{training.global_batch_size} x {training.sequence_length} tokens per step",
-        )  # fmt: skip
-    )
+    about = (f" ({_params(shape.parameter_count)} parameters), method {spec.method.value}, "
+             f"{training.global_batch_size} x {training.sequence_length} tokens per step")  # fmt: skip
+    _print_heading(console, job, about)
     chosen = result.chosen
     if chosen is None:
         _print_no_fit(result, console)
@@ -170,6 +175,26 @@ def _memory_table(chosen: PlanCandidate, headroom_percent: float) -> Table:
         table.add_row(f"{MOMENTS[other]} total", _gib(other_total), f"{other_total / capacity:.0%}", note)
     table.add_row("peak allocated", _gib(per_gpu.peak_allocated_bytes), "", "torch.cuda.max_memory_allocated()")
     return table
+
+
+def print_longest_table(job: FineTuneJob, rows: list[LongestSequence], console: Console | None = None) -> None:
+    """``memfit plan --max-sequence-length``: per pool, the longest sequenceLength and how it runs."""
+    console = console or _new_console()
+    spec = job.spec
+    _print_heading(console, job, f", method {spec.method.value}, {spec.training.global_batch_size} sequences per "
+                                 "step: the longest sequenceLength that fits each pool (estimates)")  # fmt: skip
+    table = Table(title_justify="left")
+    for column in ("pool", "longest sequenceLength", "GiB/GPU", "tokens/s (est.)", "strategy", "techniques"):
+        table.add_column(column, justify="right" if column in ("longest sequenceLength", "GiB/GPU") else "left")
+    for row in rows:
+        if row.plan is None or row.sequence_length is None:
+            table.add_row(literal(row.pool), "none", "", "", literal(f"nothing fits even at {MIN_SEQUENCE_LENGTH}"), "")
+            continue
+        plan = row.plan
+        table.add_row(literal(row.pool), f"{row.sequence_length:,}", _gib(plan.memory.per_gpu.total),
+                      f"{plan.throughput.tokens_per_second:,.0f}", literal(plan.strategy.summary()),
+                      literal(plan.techniques or ""))  # fmt: skip
+    console.print(table)
 
 
 def _print_rejected(result: PlanResult, console: Console, limit: int = 3) -> None:

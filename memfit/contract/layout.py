@@ -1,9 +1,9 @@
 """The checkpoint layout: what decides whether a checkpoint loads under another plan.
 
-DeepSpeed shards a checkpoint by method, precision, ZeRO stage and world size; a run of another layout
-cannot load it directly. The planner's re-plan (memfit.planner.replan) prefers a plan of the failed plan's
-layout, and the trainer keeps one checkpoint directory per layout and refuses a checkpoint of another:
-both use this one definition.
+DeepSpeed shards a checkpoint by method, precision, master weights (fp32 or bf16 optimizer partitions), ZeRO
+stage and world size; a run of another layout cannot load it directly. The planner's re-plan
+(memfit.planner.replan) prefers a plan of the failed plan's layout, and the trainer keeps one checkpoint
+directory per layout and refuses a checkpoint of another: both use this one definition.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from memfit.api.plan import Strategy
-from memfit.api.vocabulary import Method, Precision
+from memfit.api.vocabulary import MasterWeights, Method, Precision
 
 
 class CheckpointLayout(NamedTuple):
@@ -19,17 +19,24 @@ class CheckpointLayout(NamedTuple):
     precision: Precision
     zero_stage: int
     world_size: int
+    master_weights: MasterWeights = MasterWeights.FP32
 
     @classmethod
     def of(cls, strategy: Strategy) -> CheckpointLayout:
-        return cls(strategy.method, strategy.precision, strategy.zero_stage, strategy.gpus)
+        return cls(strategy.method, strategy.precision, strategy.zero_stage, strategy.gpus, strategy.master_weights)
 
     @property
     def directory_name(self) -> str:
-        """The checkpoint directory of this layout, e.g. ``full-bf16-zero2-8ranks``."""
-        return f"{self.method}-{self.precision}-zero{self.zero_stage}-{self.world_size}ranks"
+        """The checkpoint directory of this layout, e.g. ``full-bf16-zero2-8ranks`` (``-bf16masters`` appended
+        with bf16 master weights, so that fp32-master directories keep the names they always had)."""
+        masters = "" if self.master_weights == MasterWeights.FP32 else f"-{self.master_weights}masters"
+        return f"{self.method}-{self.precision}-zero{self.zero_stage}-{self.world_size}ranks{masters}"
 
     def to_dict(self) -> dict[str, str | int]:
-        """As recorded in a checkpoint's marker file."""
-        return {"method": self.method, "precision": self.precision, "zeroStage": self.zero_stage,
-                "worldSize": self.world_size}  # fmt: skip
+        """As recorded in a checkpoint's marker file (fp32 masters recorded as before they were a choice, so
+        that older checkpoints still load)."""
+        recorded: dict[str, str | int] = {"method": self.method, "precision": self.precision,
+                                          "zeroStage": self.zero_stage, "worldSize": self.world_size}  # fmt: skip
+        if self.master_weights != MasterWeights.FP32:
+            recorded["masterWeights"] = self.master_weights
+        return recorded

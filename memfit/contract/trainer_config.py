@@ -35,10 +35,12 @@ from pydantic import (
 
 from memfit.api.base import ApiModel
 from memfit.api.loading import describe_validation_error
+from memfit.api.plan import strategy_conflicts
 from memfit.api.vocabulary import (
     EIGHT_BIT_OPTIMIZERS,
     Attention,
     DatasetFormat,
+    MasterWeights,
     Method,
     Offload,
     Optimizer,
@@ -262,6 +264,10 @@ class TrainingConfig(ApiModel):
     attention: Attention = Attention.SDPA
     chunked_loss: Annotated[bool, Strict()] = False
     """The LM head and the cross-entropy chunk by chunk (memfit_trainer.chunked_loss); ZeRO 0-2 only."""
+    activation_offloading: Annotated[bool, Strict()] = False
+    """Checkpointed layers' saved inputs wait in pinned host memory (memfit_trainer.activation_offload)."""
+    master_weights: MasterWeights = MasterWeights.FP32
+    """bf16: pure bf16 weights, gradients and optimizer states (no fp32 master copy)."""
     seed: Annotated[int, Strict(), Field(ge=0, le=MAX_SEED)] = 42
     checkpoint_every_steps: Annotated[int, Strict(), Field(ge=1, le=MAX_STEPS)] = 500
     keep_checkpoints: Annotated[int, Strict(), Field(ge=1, le=MAX_KEEP_CHECKPOINTS)] = 2
@@ -363,6 +369,14 @@ class DeepSpeedPrecision(_DeepSpeedPart):
     hysteresis: Annotated[int, Strict(), Field(ge=1, le=2**20)] | None = None
     loss_scale_window: Annotated[int, Strict(), Field(ge=1, le=2**31)] | None = None
     min_loss_scale: Annotated[float, Strict(), Field(gt=0, le=2.0**64, allow_inf_nan=False)] | None = None
+    bf16_master_weights_and_grads: DsBool | None = None
+    """bf16 section only (training.masterWeights bf16, ZeRO 1-3): bf16 master partitions and gradients."""
+    bf16_optimizer_states: DsBool | None = None
+    """bf16 section only, with bf16_master_weights_and_grads: the optimizer's states stay in bf16 on the GPU."""
+
+    @property
+    def bf16_masters(self) -> bool:
+        return bool(self.enabled and self.bf16_master_weights_and_grads)
 
 
 class DeepSpeedOptimizerParams(_DeepSpeedPart):
@@ -425,6 +439,34 @@ class DeepSpeedSection(_DeepSpeedPart):
         return None
 
 
+def precision_section(precision: Precision, master_weights: MasterWeights, zero_stage: int) -> dict[str, Any] | None:
+    """DeepSpeed's ``bf16`` or ``fp16`` section (its key is the precision), or None where there is none.
+
+    fp32 masters: DeepSpeed's mixed precision, the 16-bit weights and gradients with fp32 master weights, fp32
+    gradient partitions and fp32 optimizer states (fp16 with dynamic loss scaling).
+
+    bf16 masters (pure bf16; the numerics change: every update is rounded to bf16's 8-bit mantissa, so
+    updates smaller than about 2^-8 of a weight are lost, and the moments are bf16 too):
+
+    * ZeRO-1/2/3: ``bf16_master_weights_and_grads`` and ``bf16_optimizer_states``. Each rank keeps a bf16
+      copy of its partition as the master, reduces gradients into a bf16 partition and gives the optimizer
+      bf16 moments (``_configure_master_weights`` in DeepSpeed's ``base_optimizer.py`` picks the dtype).
+    * ZeRO-0: no section at all. DeepSpeed refuses bf16 masters without ZeRO, and its bf16 mode would wrap
+      the optimizer in fp32 masters; without a section its engine casts nothing and hands the optimizer the
+      model's own bf16 parameters (the trainer builds the model in bf16), so the weights are the masters.
+      The engine still all-reduces the gradients and clips them (``clip_fp32_gradients``, whatever their
+      dtype); there is no loss scaling, which bf16 does not need."""
+    if precision == Precision.FP16:
+        return {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "hysteresis": 2}
+    if precision != Precision.BF16:
+        return None
+    if master_weights != MasterWeights.BF16:
+        return {"enabled": True}
+    if zero_stage == 0:
+        return None
+    return {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+
+
 def _describe_part(error: ValidationError) -> str:
     lines = []
     for problem in error.errors(include_url=False):
@@ -439,6 +481,37 @@ def _describe_part(error: ValidationError) -> str:
 def deepspeed_section(deepspeed: dict[str, Any]) -> DeepSpeedSection:
     """The typed view of a config's ``deepspeed`` dict (validated when the config was)."""
     return DeepSpeedSection.model_validate(deepspeed)
+
+
+def _master_weights_problems(ds: DeepSpeedSection, master_weights: MasterWeights) -> list[str]:
+    """Whether the precision section keeps the master weights that training.masterWeights names (see
+    :func:`precision_section`: an absent section is filled in by the trainer from that function)."""
+    problems = []
+    if ds.fp16 is not None and (
+        ds.fp16.bf16_master_weights_and_grads is not None or ds.fp16.bf16_optimizer_states is not None
+    ):
+        problems.append("deepspeed.fp16 cannot hold bf16_master_weights_and_grads or bf16_optimizer_states")
+    bf16 = ds.bf16
+    if bf16 is not None and bf16.bf16_optimizer_states and not bf16.bf16_master_weights_and_grads:
+        problems.append("deepspeed.bf16.bf16_optimizer_states needs bf16_master_weights_and_grads")
+    stage = ds.zero_optimization.stage
+    bf16_masters = bf16 is not None and bf16.bf16_masters
+    if master_weights == MasterWeights.FP32:
+        if bf16_masters:
+            problems.append("deepspeed.bf16 keeps bf16 master weights but training.masterWeights is fp32")
+        return problems
+    if stage == 0 and bf16 is not None and bf16.enabled:
+        problems.append(
+            "training.masterWeights bf16 at ZeRO-0 trains the bf16 weights themselves: deepspeed.bf16 must be "
+            "absent or disabled (its mixed precision would keep fp32 masters; DeepSpeed's own bf16 masters need "
+            "ZeRO 1-3)"
+        )
+    if stage > 0 and bf16 is not None and not (bf16_masters and bf16.bf16_optimizer_states):
+        problems.append(
+            "training.masterWeights bf16 needs deepspeed.bf16.bf16_master_weights_and_grads and "
+            "bf16_optimizer_states true (DeepSpeed would keep fp32 masters, or refuse bf16 ones on the GPU)"
+        )
+    return problems
 
 
 # --- the config ----------------------------------------------------------------------------------------
@@ -512,6 +585,7 @@ class TrainerConfig(ApiModel):
         if enabled is not None and enabled != t.precision:
             problems.append(f"deepspeed enables {enabled} but training.precision is {t.precision}")
         zero = ds.zero_optimization
+        problems += _master_weights_problems(ds, t.master_weights)
         offloads_optimizer = zero.offload_optimizer is not None and zero.offload_optimizer.device != Offload.NONE
         offloads_params = zero.offload_param is not None and zero.offload_param.device != Offload.NONE
         if t.method == Method.QLORA and (zero.stage == 3 or offloads_params):
@@ -520,6 +594,13 @@ class TrainerConfig(ApiModel):
             problems.append(f"{t.optimizer} keeps its 8-bit states on the GPU: it cannot be offloaded")
         if t.chunked_loss and zero.stage == 3:
             problems.append("training.chunkedLoss reads the LM head's weight whole: it cannot run under ZeRO-3")
+        problems += strategy_conflicts(  # the rules of the techniques, as the planner applies them
+            precision=t.precision,
+            offload_optimizer=Offload.CPU if offloads_optimizer else Offload.NONE,
+            gradient_checkpointing=t.gradient_checkpointing,
+            activation_offloading=t.activation_offloading,
+            master_weights=t.master_weights,
+        )
         if ds.optimizer is not None:
             built = DEEPSPEED_OPTIMIZER_TYPES[ds.optimizer.type.lower()]
             if built != t.optimizer:
@@ -564,7 +645,9 @@ class TrainerConfig(ApiModel):
     @property
     def layout(self) -> CheckpointLayout:
         """How this run's checkpoints are sharded (memfit.contract.layout)."""
-        return CheckpointLayout(self.training.method, self.training.precision, self.zero_stage, self.world_size)
+        training = self.training
+        return CheckpointLayout(training.method, training.precision, self.zero_stage, self.world_size,
+                                training.master_weights)  # fmt: skip
 
     @property
     def checkpoint_dir(self) -> Path:

@@ -18,6 +18,12 @@ keeps only its input, and the second moment also holds the recomputed layer. Wit
 (``chunked_loss``) the loss buffers are what the trainer's chunked cross-entropy holds: per-token
 log-sum-exp and labels, the hidden states' and head's gradients and one chunk's logits
 (:func:`chunked_loss_buffers`).
+
+With activation offloading (``activation_offloading``, on top of checkpointing) the layers' inputs wait in
+pinned host memory (the trainer's ``memfit_trainer.activation_offload``); the GPU holds only the inputs its
+code path has there at each moment (:func:`_offloaded_inputs`: LoRA's first input, which autograd keeps; the
+recomputed layer's own; the one prefetched for the next layer), and ``host_bytes`` is what the host holds
+when the forward pass ends, in the pinned allocator's blocks (:func:`pinned_host_bytes`).
 """
 
 from __future__ import annotations
@@ -55,10 +61,12 @@ class ActivationSetup:
     lora_targets: frozenset[str] = frozenset()
     lora_dropout: bool = True
     adapter_bytes: int = 2
-    """LoRA adapters' dtype: DeepSpeed's bf16/fp16 engine casts them to the compute dtype; plain
+    """LoRA adapters' dtype: the trainer casts them to the compute dtype (memfit_trainer.model); plain
     peft keeps them in fp32 (autocast_adapter_dtype)."""
     chunked_loss: bool = False
     """The LM head and the loss run chunk by chunk (the trainer's ``chunked_cross_entropy``)."""
+    activation_offloading: bool = False
+    """Checkpointed layers' saved inputs wait in pinned host memory (the trainer's activation_offload)."""
 
     @property
     def tokens(self) -> int:
@@ -86,6 +94,9 @@ class ActivationEstimate:
     """End of the backward pass: the embedding output's gradient."""
     peak: int
     """Peak bytes of the forward + backward beyond weights, gradients and optimizer states."""
+    host_bytes: int = 0
+    """Pinned host bytes one rank holds for offloaded activations (``activation_offloading``), at the end
+    of the forward pass: every offloaded layer input, in the pinned allocator's power-of-two blocks."""
 
 
 def uses_eager_attention(shape: ModelShape, setup: ActivationSetup) -> bool:
@@ -208,36 +219,80 @@ def _eager_attention_backward(shape: ModelShape, setup: ActivationSetup, per_lay
     return per_layer - _mlp(shape, setup) + scores_gradient + 2 * t * shape.hidden_size * w + mlp_weights
 
 
-def layer_backward_moment(shape: ModelShape, setup: ActivationSetup, per_layer: int) -> int:
+def layer_backward_moment(shape: ModelShape, setup: ActivationSetup, per_layer: int, recomputed_input: int = 0) -> int:
     """Bytes one layer holds at the worst point of its backward: its saved tensors plus the gradients
     of the MLP's activations and of the layer output (a LoRA on down_proj adds its input gradient,
-    cast back from the adapters' dtype), or, with eager attention, the scores' gradients."""
+    cast back from the adapters' dtype), or, with eager attention, the scores' gradients.
+    ``recomputed_input``: the layer's input where nothing but its recomputation holds it (activation
+    offloading), alive at the first of these moments and gone by the attention's backward."""
     t, w, i = setup.tokens, setup.element_bytes, shape.intermediate_size
     mlp = t * (2 * i * w + 2 * shape.hidden_size * w)
     if setup.method != Method.FULL and "down_proj" in setup.lora_targets:
         mlp += t * i * (setup.adapter_bytes + w)
-    moment = per_layer + mlp
+    moment = per_layer + mlp + recomputed_input
     if uses_eager_attention(shape, setup):
         moment = max(moment, _eager_attention_backward(shape, setup, per_layer))
     return moment
+
+
+def pinned_host_bytes(nbytes: int) -> int:
+    """Host bytes PyTorch's pinned-memory allocator (``CachingHostAllocator``) takes for a tensor of
+    ``nbytes``: it rounds every block up to a power of two, and keeps freed blocks for reuse."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+
+
+def offloaded_layers(setup: ActivationSetup, layers: int) -> int:
+    """Layer inputs that go to the host under activation offloading: all but LoRA's first (see below)."""
+    return layers - (0 if setup.method == Method.FULL else 1)
+
+
+def _offloaded_inputs(setup: ActivationSetup, layers: int, between: int) -> tuple[int, int, int]:
+    """Layer inputs on the GPU under activation offloading: (at the loss, beside the last layer's backward,
+    the recomputed layer's own). They wait on the host, with three exceptions.
+
+    * LoRA's frozen embedding: its output is made a leaf that requires grad, which autograd keeps on the
+      GPU; the first layer's input stays.
+    * The input of the layer being back-propagated is back for its recomputation. With LoRA the end of
+      the recomputation, with the input still there, is the worst moment of the layer's MLP (traced with
+      adapters on every linear layer and on the attention's alone); in full fine-tuning that moment comes
+      later, in the MLP's backward (its activation gradients outweigh the input, the residual and the
+      output gradient the recomputation holds), and the input is freed by then.
+    * The input of the layer before is already coming back (prefetched), unless it is the first one
+      offloaded, which comes back only when asked for (``memfit_trainer.activation_offload``).
+    """
+    if setup.method == Method.FULL:
+        return 0, between if layers >= 3 else 0, 0
+    own = between if layers >= 2 else 0
+    prefetched = between if layers >= 4 else 0
+    return between, between + prefetched, own
 
 
 def estimate_activations(shape: ModelShape, setup: ActivationSetup) -> ActivationEstimate:
     per_layer = saved_per_layer(shape, setup)
     between = setup.tokens * shape.hidden_size * setup.element_bytes
     layers = shape.num_layers
-    # Under checkpointing every layer keeps its input, and the one being back-propagated is recomputed.
-    others = layers * between if setup.gradient_checkpointing else (layers - 1) * per_layer
-    kept = layers * between if setup.gradient_checkpointing else layers * per_layer
+    offloaded = setup.gradient_checkpointing and setup.activation_offloading
+    own_input = 0
+    if offloaded:
+        kept, others, own_input = _offloaded_inputs(setup, layers, between)
+        # Full fine-tuning: the first layer's backward, with nearly every gradient, holds no other input.
+        # LoRA, whose gradients are counted whole: the middle layers' backward, as full as the last's.
+        first_layer_input = 0 if setup.method == Method.FULL else others
+    elif setup.gradient_checkpointing:
+        # Every layer keeps its input, and the one being back-propagated is recomputed.
+        kept, others, first_layer_input = layers * between, layers * between, between
+    else:
+        kept, others, first_layer_input = layers * per_layer, (layers - 1) * per_layer, 0
     loss_moment = kept + head_and_loss(shape, setup)
-    one_layer = layer_backward_moment(shape, setup, per_layer)
+    one_layer = layer_backward_moment(shape, setup, per_layer, own_input)
     layer_moment = others + one_layer
     return ActivationEstimate(
         saved_per_layer=per_layer,
         kept_between_layers=between,
         loss_moment=loss_moment,
         layer_moment=layer_moment,
-        first_layer_moment=one_layer + (between if setup.gradient_checkpointing else 0),
+        first_layer_moment=one_layer + first_layer_input,
         backward_end=between,
         peak=max(loss_moment, layer_moment),
+        host_bytes=offloaded_layers(setup, layers) * pinned_host_bytes(between) if offloaded else 0,
     )

@@ -51,8 +51,9 @@ def activation_setup(
         lora_rank=lora.rank if strategy.method != Method.FULL else 0,
         lora_targets=targets,
         lora_dropout=lora.dropout,
-        adapter_bytes=compute_bytes(strategy.precision),  # DeepSpeed's engine casts adapters to it
+        adapter_bytes=compute_bytes(strategy.precision),  # the trainer casts the adapters to it (model.py)
         chunked_loss=strategy.chunked_loss,
+        activation_offloading=strategy.activation_offloading,
     )
 
 
@@ -83,6 +84,8 @@ class StaticMemory:
     nvme_per_node: int
     zero_stage: int
     gradients_timeline: GradientTimeline
+    ranks_per_node: int
+    """Trainer processes (GPUs) per node, each holding its own offloaded activations."""
 
     @property
     def floor(self) -> int:
@@ -103,6 +106,7 @@ def static_memory(shape: ModelShape, strategy: Strategy, lora: LoraSettings) -> 
         nvme_per_node=nvme,
         zero_stage=strategy.zero_stage,
         gradients_timeline=gradient_timeline(shape, strategy.method, strategy.precision),
+        ranks_per_node=strategy.gpus_per_node,
     )
 
 
@@ -212,7 +216,9 @@ def peak_memory(static: StaticMemory, activations: ActivationEstimate, accumulat
     )
     return PlanMemory(
         per_gpu=per_gpu,
-        per_node=PerNodeMemory(cpu=static.cpu_per_node, nvme=static.nvme_per_node),
+        per_node=PerNodeMemory(
+            cpu=static.cpu_per_node + static.ranks_per_node * activations.host_bytes, nvme=static.nvme_per_node
+        ),  # fmt: skip
         phases=phases,
         binding=binding,
     )

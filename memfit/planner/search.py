@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -16,7 +17,15 @@ from memfit.api.plan import (
     Strategy,
     strategy_conflicts,
 )
-from memfit.api.vocabulary import Attention, Method, Offload, PlannedMethod, PlannedPrecision, Precision
+from memfit.api.vocabulary import (
+    Attention,
+    MasterWeights,
+    Method,
+    Offload,
+    PlannedMethod,
+    PlannedPrecision,
+    Precision,
+)
 from memfit.memory.activations import ActivationEstimate, estimate_activations
 from memfit.memory.estimate import (
     LoraSettings,
@@ -75,14 +84,21 @@ class _Evaluated:
 
     @property
     def strategy(self) -> Strategy:
-        t = self.template  # built field by field: dataclasses.replace is several times slower (inner loop)
-        return Strategy(
-            method=t.method, pool=t.pool, nodes=t.nodes, gpus_per_node=t.gpus_per_node, zero_stage=t.zero_stage,
-            offload_optimizer=t.offload_optimizer, offload_parameters=t.offload_parameters,
-            gradient_checkpointing=t.gradient_checkpointing, micro_batch_size=self.micro_batch_size,
-            gradient_accumulation_steps=self.gradient_accumulation_steps, precision=t.precision,
-            optimizer=t.optimizer, attention=t.attention, chunked_loss=t.chunked_loss,
-        )  # fmt: skip
+        t = self.template
+        return _rebuilt(t, self.micro_batch_size, self.gradient_accumulation_steps, t.chunked_loss,
+                        t.activation_offloading)  # fmt: skip
+
+
+def _rebuilt(t: Strategy, micro: int, accumulation: int, chunked_loss: bool, activation_offloading: bool) -> Strategy:
+    """``t`` with these knobs, built field by field: dataclasses.replace is several times slower (inner loop)."""
+    return Strategy(
+        method=t.method, pool=t.pool, nodes=t.nodes, gpus_per_node=t.gpus_per_node, zero_stage=t.zero_stage,
+        offload_optimizer=t.offload_optimizer, offload_parameters=t.offload_parameters,
+        gradient_checkpointing=t.gradient_checkpointing, micro_batch_size=micro,
+        gradient_accumulation_steps=accumulation, precision=t.precision, optimizer=t.optimizer,
+        attention=t.attention, chunked_loss=chunked_loss, activation_offloading=activation_offloading,
+        master_weights=t.master_weights,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +106,8 @@ class _Fit:
     evaluated: _Evaluated
     tokens_per_second: float
     step_seconds: float
+    techniques: str | None = None
+    """What the plan's memory-saving techniques bought it (None: it uses none)."""
 
     @property
     def method(self) -> str:
@@ -110,8 +128,37 @@ class _Search:
     exclude: Collection[str]
     fits: list[_Fit] = field(default_factory=list)
     nearest_misses: dict[tuple[str, int, int, str], _Evaluated] = field(default_factory=dict)
-    static: dict[tuple[str, int, Offload, Offload, int, int, str], StaticMemory] = field(default_factory=dict)
-    activations: dict[tuple[str, str, bool, int, Attention, bool], ActivationEstimate] = field(default_factory=dict)
+    static: dict[tuple[str, int, Offload, Offload, int, int, str, str], StaticMemory] = field(default_factory=dict)
+    activations: dict[tuple[str, str, bool, int, Attention, bool, bool], ActivationEstimate] = field(
+        default_factory=dict
+    )
+    master_weights: MasterWeights = MasterWeights.FP32
+    """The masters this pass plans with (bf16 only where nothing fits with fp32, or pinned)."""
+    fastest: dict[str, list[float]] = field(default_factory=dict)
+    """Per method, a min-heap of the MAX_CANDIDATES best speeds of plans without techniques found so far:
+    knobs whose best case is slower than all of them cannot be reported, and are not evaluated."""
+
+    def outpaced(self, plain: Strategy, largest_micro: int, capacity: PoolCapacity) -> bool:
+        """Whether MAX_CANDIDATES plans of the method are faster than these knobs could be (their largest
+        micro-batch without accumulation and without techniques is their best case)."""
+        heap = self.fastest.get(plain.method)
+        if heap is None or len(heap) < MAX_CANDIDATES:
+            return False
+        best_case = _rebuilt(plain, largest_micro, 1, plain.chunked_loss, plain.activation_offloading)
+        trainable = self.static_memory(plain).trainable
+        step = step_seconds(self.shape, best_case, capacity, self.sequence_length, trainable)
+        return best_case.gpus * largest_micro * self.sequence_length / step < heap[0]
+
+    def found(self, fit: _Fit) -> None:
+        self.fits.append(fit)
+        if fit.techniques is not None:
+            return  # _worth_their_cost may drop it: only plans without techniques raise the bar
+        heap = self.fastest.setdefault(fit.method, [])
+        if len(heap) < MAX_CANDIDATES:
+            heapq.heappush(heap, fit.tokens_per_second)
+        elif fit.tokens_per_second > heap[0]:
+            heapq.heapreplace(heap, fit.tokens_per_second)
+
     untried: set[Untried] = field(default_factory=set)
     """Parts of the search where no candidate could be evaluated at all, and why (for the advice)."""
 
@@ -121,36 +168,29 @@ class _Search:
 
     def static_memory(self, template: Strategy) -> StaticMemory:
         key = (template.method, template.zero_stage, template.offload_optimizer, template.offload_parameters,
-               template.nodes, template.gpus_per_node, template.precision)  # fmt: skip
+               template.nodes, template.gpus_per_node, template.precision, template.master_weights)  # fmt: skip
         if key not in self.static:
             self.static[key] = static_memory(self.shape, template, self.lora)
         return self.static[key]
 
     def activation_estimate(self, template: Strategy, micro_batch_size: int) -> ActivationEstimate:
         key = (template.method, template.precision, template.gradient_checkpointing, micro_batch_size,
-               template.attention, template.chunked_loss)  # fmt: skip
-        if key not in self.activations:
+               template.attention, template.chunked_loss, template.activation_offloading)  # fmt: skip
+        estimate = self.activations.get(key)
+        if estimate is None:
             strategy = replace(template, micro_batch_size=micro_batch_size)
             setup = activation_setup(self.shape, strategy, self.sequence_length, self.lora)
-            self.activations[key] = estimate_activations(self.shape, setup)
-        return self.activations[key]
+            estimate = self.activations[key] = estimate_activations(self.shape, setup)
+        return estimate
 
 
 def plan_job(spec: FineTuneJobSpec, pools: Sequence[GPUPool], exclude: Collection[str] = ()) -> PlanResult:
     """Plan ``spec`` on ``pools``; ``exclude`` holds strategy summaries known to fail (after an OOM)."""
     started = time.perf_counter()
-    shape = spec.model.architecture.shape()
-    lora = LoraSettings(spec.lora.rank, tuple(spec.lora.target_modules), spec.lora.dropout > 0)
-    search = _Search(spec, shape, lora, frozenset(exclude))
-    capacities = _selected_pools(spec, pools)
-    for method in _methods(spec):  # auto: every method, so that the best of each can be shown
-        if _pinned_conflicts(search, method):
-            continue
-        for capacity in capacities:
-            _search_pool(search, capacity, method)
-
-    ranked = sorted(search.fits, key=_preference)
-    candidates = [_to_candidate(search, fit.evaluated, fit.throughput) for fit in _reported(ranked)]
+    capacities = selected_pools(spec, pools)
+    search = _search(spec, capacities, exclude)
+    ranked = _ranked(search)
+    candidates = [_to_candidate(search, fit.evaluated, fit.throughput, fit.techniques) for fit in _reported(ranked)]
     misses = sorted(search.nearest_misses.values(), key=_ratio)[:MAX_REJECTED]
     rejected = [_to_rejected(search, miss) for miss in misses]
     chosen = candidates[0] if candidates else None
@@ -166,6 +206,63 @@ def plan_job(spec: FineTuneJobSpec, pools: Sequence[GPUPool], exclude: Collectio
     )
 
 
+def best_plan(spec: FineTuneJobSpec, pools: Sequence[GPUPool]) -> PlanCandidate | None:
+    """The plan ``plan_job`` would choose, without the report around it (no misses, no advice)."""
+    search = _search(spec, selected_pools(spec, pools), ())
+    ranked = _ranked(search)
+    return _to_candidate(search, ranked[0].evaluated, ranked[0].throughput, ranked[0].techniques) if ranked else None
+
+
+def _search(spec: FineTuneJobSpec, capacities: list[PoolCapacity], exclude: Collection[str]) -> _Search:
+    """Search every method on every pool. Master weights stay fp32 unless the spec pins them: bf16 masters
+    change the numerics, so they are planned only where no plan fits with fp32 masters."""
+    shape = spec.model.architecture.shape()
+    lora = LoraSettings(spec.lora.rank, tuple(spec.lora.target_modules), spec.lora.dropout > 0)
+    pinned = spec.strategy.master_weights
+    masters = pinned or MasterWeights.FP32
+    search = _search_methods(_Search(spec, shape, lora, frozenset(exclude), master_weights=masters), capacities)
+    if not search.fits and pinned is None:
+        bf16 = _Search(spec, shape, lora, frozenset(exclude), master_weights=MasterWeights.BF16)
+        bf16 = _search_methods(bf16, capacities)
+        search = bf16 if bf16.fits else search
+    return search
+
+
+def _ranked(search: _Search) -> list[_Fit]:
+    return sorted(_worth_their_cost(search.fits), key=_preference)
+
+
+def _search_methods(search: _Search, capacities: list[PoolCapacity]) -> _Search:
+    for method in _methods(search.spec):  # auto: every method, so that the best of each can be shown
+        if _pinned_conflicts(search, method):
+            continue
+        for capacity in capacities:
+            _search_pool(search, capacity, method)
+    return search
+
+
+MIN_TECHNIQUE_GAIN = 1.05
+"""A plan whose memory-saving techniques cost speed (recomputed LM head, PCIe copies, other numerics) must be
+at least this much faster than the best plan of its method without them: below it the estimated gain is
+within the throughput model's own uncertainty."""
+
+
+def _worth_their_cost(fits: list[_Fit]) -> list[_Fit]:
+    """Drop the plans whose techniques buy less than MIN_TECHNIQUE_GAIN over the best plan of their method
+    that uses none (where there is one: a technique that makes the method fit at all is always kept)."""
+    plain: dict[str, float] = {}
+    for fit in fits:
+        if fit.techniques is None:
+            plain[fit.method] = max(plain.get(fit.method, 0.0), fit.tokens_per_second)
+    return [
+        fit
+        for fit in fits
+        if fit.techniques is None
+        or fit.method not in plain
+        or fit.tokens_per_second >= MIN_TECHNIQUE_GAIN * plain[fit.method]
+    ]
+
+
 def _lighter(search: _Search, capacities: list[PoolCapacity]) -> dict[str, PlanCandidate | None]:
     """When the pinned method fits nowhere: the best plan of each lighter one, or its nearest miss (None
     where it cannot be tried; why joins ``search.untried``)."""
@@ -174,14 +271,14 @@ def _lighter(search: _Search, capacities: list[PoolCapacity]) -> dict[str, PlanC
         return {}  # every method was searched
     lighter: dict[str, PlanCandidate | None] = {}
     for method in METHOD_PREFERENCE[METHOD_PREFERENCE.index(spec.method) + 1 :]:
-        alternative = _Search(spec, search.shape, search.lora, search.exclude)
+        alternative = _Search(spec, search.shape, search.lora, search.exclude, master_weights=search.master_weights)
         if not _pinned_conflicts(alternative, method):
             for capacity in capacities:
                 _search_pool(alternative, capacity, method)
         search.untried |= alternative.untried
         if alternative.fits:
             best = max(alternative.fits, key=lambda fit: fit.tokens_per_second)
-            lighter[method] = _to_candidate(alternative, best.evaluated, best.throughput)
+            lighter[method] = _to_candidate(alternative, best.evaluated, best.throughput, best.techniques)
         elif alternative.nearest_misses:
             lighter[method] = _to_rejected(alternative, min(alternative.nearest_misses.values(), key=_ratio))
         else:
@@ -229,8 +326,9 @@ def _why_chosen(spec: FineTuneJobSpec, ranked: list[_Fit]) -> str:
         ratio = speed_ratio(best.tokens_per_second, same[1].tokens_per_second)
         versus = "as fast as the next" if ratio == "as fast" else f"{ratio} than the next"
         within = f"the fastest of the {len(same)} {method} plans that fit ({versus})"
+    bought = f"; it uses {best.techniques}" if best.techniques else ""
     if spec.method is not Method.AUTO:
-        return f"method {method} is pinned, and this is {within}."
+        return f"method {method} is pinned, and this is {within}{bought}."
     higher = METHOD_PREFERENCE[: METHOD_PREFERENCE.index(method)]
     sentence = "method auto takes the method that changes the model least (full, then lora, then qlora)"
     if higher:
@@ -243,10 +341,10 @@ def _why_chosen(spec: FineTuneJobSpec, ranked: list[_Fit]) -> str:
     for other, fit in others.items():
         ratio = speed_ratio(fit.tokens_per_second, best.tokens_per_second)
         sentence += f"; the best {other} plan would be {ratio} ({fit.tokens_per_second:,.0f} tokens/s est.)"
-    return sentence + "."
+    return sentence + bought + "."
 
 
-def _selected_pools(spec: FineTuneJobSpec, pools: Sequence[GPUPool]) -> list[PoolCapacity]:
+def selected_pools(spec: FineTuneJobSpec, pools: Sequence[GPUPool]) -> list[PoolCapacity]:
     wanted = spec.resources.pool
     if not pools:
         raise PlanningError("no GPUPool is declared: give an inventory (memfit plan --inventory POOLS.yaml)")
@@ -274,8 +372,10 @@ def _pinned_conflicts(search: _Search, method: PlannedMethod) -> bool:
 
     def conflicts(stage: int | None) -> list[str]:
         return strategy_conflicts(method, spec.training.precision, stage, pinned.offload_optimizer,
-                                  pinned.offload_parameters, spec.training.optimizer,
-                                  pinned.chunked_loss)  # fmt: skip
+                                  pinned.offload_parameters, spec.training.optimizer, pinned.chunked_loss,
+                                  gradient_checkpointing=pinned.gradient_checkpointing,
+                                  activation_offloading=pinned.activation_offloading,
+                                  master_weights=search.master_weights)  # fmt: skip
 
     stages = [pinned.zero_stage] if pinned.zero_stage is not None else [0, 1, 2, 3]
     per_stage = [conflicts(stage) for stage in stages]
@@ -302,12 +402,13 @@ def _precisions(search: _Search, capacity: PoolCapacity, method: PlannedMethod) 
 
 
 def _zero_options(
-    spec: FineTuneJobSpec, method: PlannedMethod, precision: PlannedPrecision, capacity: PoolCapacity, gpus: int
+    search: _Search, method: PlannedMethod, precision: PlannedPrecision, capacity: PoolCapacity, gpus: int
 ) -> Iterator[tuple[int, Offload, Offload]]:
     """(stage, optimizer offload, parameter offload) combinations that run as planned (no
     strategy_conflicts), without the ones that duplicate another: with several GPUs ZeRO-1 communicates
     as much as ZeRO-0 and holds less; on one GPU nothing is partitioned, so the stages differ only by
     what they offload."""
+    spec = search.spec
     pinned = spec.strategy
     stages = [pinned.zero_stage] if pinned.zero_stage is not None else [0, 1, 2, 3]
     devices = [Offload.NONE, Offload.CPU] + ([Offload.NVME] if capacity.nvme_bytes_per_node else [])
@@ -320,7 +421,8 @@ def _zero_options(
             if opt != Offload.NONE and method != Method.FULL and pinned.offload_optimizer is None:
                 continue
             for params in _pinned_or(pinned.offload_parameters, devices if stage == 3 else [Offload.NONE]):
-                if strategy_conflicts(method, precision, stage, opt, params, optimizer, pinned.chunked_loss):
+                if strategy_conflicts(method, precision, stage, opt, params, optimizer, pinned.chunked_loss,
+                                      master_weights=search.master_weights):  # fmt: skip
                     continue
                 single_gpu_duplicate = (
                     gpus == 1
@@ -352,7 +454,6 @@ def _search_pool(search: _Search, capacity: PoolCapacity, method: PlannedMethod)
     attention = spec.strategy.attention or Attention.SDPA
     pinned_ckpt = spec.strategy.gradient_checkpointing
     checkpointing = [pinned_ckpt] if pinned_ckpt is not None else [False, True]
-    pinned_chunked = spec.strategy.chunked_loss
     batch = spec.training.global_batch_size
     tried = False
     for nodes, per_node in layouts(capacity, spec.resources.max_gpus, batch):
@@ -363,44 +464,130 @@ def _search_pool(search: _Search, capacity: PoolCapacity, method: PlannedMethod)
         tried = True
         for precision in precisions:
             fitted: dict[tuple[int, Offload, Offload, bool], int] = {}  # knobs -> largest micro-batch that fits
-            for stage, opt, params in _zero_options(spec, method, precision, capacity, nodes * per_node):
+            for stage, opt, params in _zero_options(search, method, precision, capacity, nodes * per_node):
                 for ckpt in checkpointing:
-                    if _dominated(fitted, stage, opt, params, ckpt, micro_batches[0]):
+                    variants = _technique_variants(spec, stage, ckpt)
+                    if not variants or _dominated(fitted, stage, opt, params, ckpt, micro_batches[0]):
                         continue
-                    template = Strategy(
+                    chunked, offloaded = variants[0]
+                    plain = Strategy(
                         method=method, pool=capacity.name, nodes=nodes, gpus_per_node=per_node,
                         zero_stage=stage, offload_optimizer=opt, offload_parameters=params,
                         gradient_checkpointing=ckpt, micro_batch_size=1, gradient_accumulation_steps=1,
                         precision=precision, optimizer=spec.training.optimizer, attention=attention,
-                        chunked_loss=bool(pinned_chunked),
+                        chunked_loss=chunked, activation_offloading=offloaded, master_weights=search.master_weights,
                     )  # fmt: skip
-                    micro = _largest_fitting_micro_batch(
-                        search, capacity, limit, template, micro_batches, per_gpu_batch
-                    )
-                    if pinned_chunked is None and stage != 3 and micro != micro_batches[0]:
-                        # The chunked loss costs a recomputed LM head: only where it makes this knob
-                        # combination fit, or fit a larger micro-batch.
-                        chunked = _largest_fitting_micro_batch(
-                            search, capacity, limit, replace(template, chunked_loss=True), micro_batches,
-                            per_gpu_batch, must_beat=micro or 0,
-                        )  # fmt: skip
-                        micro = chunked if chunked is not None else micro
+                    if search.outpaced(plain, micro_batches[0], capacity):
+                        continue
+                    micro = _fit_knobs(search, capacity, limit, plain, variants[1:], micro_batches, per_gpu_batch)
                     if micro is not None:
                         fitted[(stage, opt, params, ckpt)] = micro
     if not tried:
         search.untried.add(Untried(pool=capacity.name, method=None, cause=Untried.no_layout(spec)))
 
 
+def _technique_variants(spec: FineTuneJobSpec, zero_stage: int, checkpointing: bool) -> list[tuple[bool, bool]]:
+    """(chunked loss, activation offloading) combinations of the techniques that trade speed for memory (the
+    pinned value, or off then on), cheapest first: the chunked loss (a recomputed LM head), then activation
+    offloading (PCIe copies, checkpointed layers only), then both."""
+    pinned = spec.strategy
+    chunked = [pinned.chunked_loss] if pinned.chunked_loss is not None else [False, True]
+    offloaded = [pinned.activation_offloading] if pinned.activation_offloading is not None else [False, True]
+    return [(c, o) for o in offloaded for c in chunked if not (c and zero_stage == 3) and not (o and not checkpointing)]
+
+
+def _fit_knobs(
+    search: _Search,
+    capacity: PoolCapacity,
+    limit: int,
+    plain: Strategy,
+    variants: list[tuple[bool, bool]],
+    micro_batches: list[int],
+    per_gpu_batch: int,
+) -> int | None:
+    """The largest micro-batch one knob combination fits, recording the fits: ``plain`` first, then each
+    technique variant (chunked loss, activation offloading), only where the ones before it fall short of
+    the largest micro-batch, recorded only where it fits a larger one: a technique is chosen where it makes
+    a plan fit, or a faster one. They only shrink activations, so none is tried where the model states
+    alone do not fit."""
+    bf16_masters = plain.master_weights == MasterWeights.BF16 and search.spec.strategy.master_weights is None
+    best = _largest_fitting_micro_batch(search, capacity, limit, plain, micro_batches, per_gpu_batch,
+                                        chosen=_Chosen((), None, bf16_masters) if bf16_masters else None)  # fmt: skip
+    if best == micro_batches[0] or not variants or _states_short(search, capacity, limit, plain):
+        return best
+    larger = [micro for micro in micro_batches if micro > (best or 0)]
+    if not _fits_gpu(search, limit, _rebuilt(plain, 1, 1, *variants[-1]), larger[-1], per_gpu_batch):
+        return best  # not even every technique together fits a larger micro-batch (they only save GPU memory)
+    without = best
+    for chunked, offloaded in variants:
+        variant = _rebuilt(plain, 1, 1, chunked, offloaded)
+        added = _Chosen(_added_techniques(plain, variant), without, bf16_masters)
+        micro = _largest_fitting_micro_batch(search, capacity, limit, variant, micro_batches, per_gpu_batch,
+                                             must_beat=best or 0, chosen=added)  # fmt: skip
+        best = micro if micro is not None else best
+        if best == micro_batches[0]:
+            break
+    return best
+
+
+def _fits_gpu(search: _Search, limit: int, template: Strategy, micro: int, per_gpu_batch: int) -> bool:
+    static = search.static_memory(template)
+    return step_total(static, search.activation_estimate(template, micro), per_gpu_batch // micro) <= limit
+
+
+def _states_short(search: _Search, capacity: PoolCapacity, limit: int, template: Strategy) -> bool:
+    """Whether the model states alone (no activation at all) overflow the GPU or the host."""
+    static = search.static_memory(template)
+    return _shortfall_ratio_of(static.floor, static.cpu_per_node, static.nvme_per_node, limit, capacity) > 1
+
+
+def _added_techniques(plain: Strategy, variant: Strategy) -> tuple[str, ...]:
+    names = []
+    if variant.chunked_loss and not plain.chunked_loss:
+        names.append("chunked loss")
+    if variant.activation_offloading and not plain.activation_offloading:
+        names.append("activation offloading")
+    return tuple(names)
+
+
+@dataclass(frozen=True, slots=True)
+class _Chosen:
+    """The techniques the planner added to a plan (beyond what the spec pins), and what for."""
+
+    names: tuple[str, ...]
+    without: int | None
+    """The largest micro-batch of the same knobs without them (None: nothing fits without)."""
+    bf16_masters: bool
+    """bf16 master weights, chosen because nothing fits with fp32 masters."""
+
+    def describe(self, micro: int) -> str | None:
+        parts = []
+        if self.names:
+            gain = "makes it fit" if self.without is None else f"micro-batch {micro} ({self.without} without)"
+            parts.append(f"{' and '.join(self.names)}: {gain}")
+        if self.bf16_masters:
+            parts.append("bf16 master weights: nothing fits with fp32 masters")
+        return "; ".join(parts) or None
+
+
 def _dominated(fitted: dict[tuple[int, Offload, Offload, bool], int], stage: int, opt: Offload, params: Offload,
                ckpt: bool,
                largest_micro: int) -> bool:  # fmt: skip
     """Options that can only be slower than one that already fits: NVMe offload where CPU offload fits
-    (same GPU memory, slower traffic), and recomputation where the largest micro-batch fits without."""
+    (same GPU memory, slower traffic); and, where a lighter option fits the largest micro-batch (nothing
+    to gain in memory), recomputation, any offload, or a higher ZeRO stage (more communication, or as much
+    where accumulation does not multiply it)."""
     if opt == Offload.NVME and (stage, Offload.CPU, params, ckpt) in fitted:
         return True
     if params == Offload.NVME and (stage, opt, Offload.CPU, ckpt) in fitted:
         return True
-    return ckpt and fitted.get((stage, opt, params, False)) == largest_micro
+    lighter = [(stage, opt, params, False)] if ckpt else []
+    if opt != Offload.NONE:
+        lighter.append((stage, Offload.NONE, params, ckpt))
+    if params != Offload.NONE:
+        lighter.append((stage, opt, Offload.NONE, ckpt))
+    lighter += [(lower, opt, Offload.NONE, ckpt) for lower in range(1, stage)]
+    return any(fitted.get(knobs) == largest_micro for knobs in lighter)
 
 
 def _largest_fitting_micro_batch(
@@ -411,6 +598,7 @@ def _largest_fitting_micro_batch(
     micro_batches: list[int],
     per_gpu_batch: int,
     must_beat: int | None = None,
+    chosen: _Chosen | None = None,
 ) -> int | None:
     """Find the largest micro-batch that fits and record it (returning it), or the nearest miss.
     ``per_gpu_batch`` (sequences per GPU per optimizer step) sets the accumulation of each micro-batch;
@@ -418,16 +606,21 @@ def _largest_fitting_micro_batch(
     where the host falls short (another attempt of the same knobs recorded that miss)."""
     static = search.static_memory(template)
     trainable = static.trainable
-    if must_beat is not None and _shortfall_ratio_of(0, static.cpu_per_node, static.nvme_per_node, 1, capacity) > 1:
-        return None  # the host falls short whatever the micro-batch: the plain attempt recorded the miss
+    if must_beat is not None:
+        if _shortfall_ratio_of(0, static.cpu_per_node, static.nvme_per_node, 1, capacity) > 1:
+            return None  # the host falls short whatever the micro-batch: the plain attempt recorded the miss
+        micro_batches = [micro for micro in micro_batches if micro > must_beat]  # only these can be recorded
+
+    excluded = search.exclude
 
     def attempt(micro: int) -> _Evaluated:
         accumulation = per_gpu_batch // micro
         activations = search.activation_estimate(template, micro)
         total = step_total(static, activations, accumulation)
-        ratio = _shortfall_ratio_of(total, static.cpu_per_node, static.nvme_per_node, limit, capacity)
+        cpu = static.cpu_per_node + static.ranks_per_node * activations.host_bytes
+        ratio = _shortfall_ratio_of(total, cpu, static.nvme_per_node, limit, capacity)
         evaluated = _Evaluated(template, micro, accumulation, static, activations, capacity, trainable, limit, ratio)
-        if search.exclude and evaluated.strategy.summary() in search.exclude:
+        if excluded and evaluated.strategy.summary() in excluded:
             return replace(evaluated, miss_ratio=float("inf"), excluded=True)
         return evaluated
 
@@ -440,6 +633,8 @@ def _largest_fitting_micro_batch(
             if known is None or smallest.miss_ratio < known.miss_ratio:
                 search.nearest_misses[key] = smallest
         return None
+    if not micro_batches:
+        return None
 
     # Memory grows with the micro-batch, except that accumulating (more than one micro-batch per step)
     # keeps gradients alive. So: the no-accumulation micro-batch first, then the smallest (when it
@@ -447,7 +642,7 @@ def _largest_fitting_micro_batch(
     best: _Evaluated | None = None
     largest = attempt(micro_batches[0])
     if largest.fits:
-        return _record_fit(search, largest, must_beat)
+        return _record_fit(search, largest, must_beat, chosen)
     smallest = attempt(micro_batches[-1]) if len(micro_batches) > 1 else largest
     if smallest.fits:
         best = smallest
@@ -460,19 +655,20 @@ def _largest_fitting_micro_batch(
             else:
                 low = middle + 1
     if best is not None:
-        return _record_fit(search, best, must_beat)
+        return _record_fit(search, best, must_beat, chosen)
     if known is None or smallest.miss_ratio < known.miss_ratio:
         search.nearest_misses[key] = smallest
     return None
 
 
-def _record_fit(search: _Search, fit: _Evaluated, must_beat: int | None = None) -> int | None:
+def _record_fit(search: _Search, fit: _Evaluated, must_beat: int | None, chosen: _Chosen | None) -> int | None:
     if must_beat is not None and fit.micro_batch_size <= must_beat:
         return None
     strategy = fit.strategy
     step = step_seconds(search.shape, strategy, fit.capacity, search.sequence_length, fit.trainable)
     tokens = strategy.gpus * strategy.micro_batch_size * strategy.gradient_accumulation_steps * search.sequence_length
-    search.fits.append(_Fit(fit, tokens / step, step))
+    techniques = chosen.describe(fit.micro_batch_size) if chosen else None
+    search.found(_Fit(fit, tokens / step, step, techniques))
     return fit.micro_batch_size
 
 
@@ -511,8 +707,10 @@ def _candidate_fields(search: _Search, evaluated: _Evaluated, throughput: PlanTh
     }
 
 
-def _to_candidate(search: _Search, evaluated: _Evaluated, throughput: PlanThroughput) -> PlanCandidate:
-    return PlanCandidate(**_candidate_fields(search, evaluated, throughput))
+def _to_candidate(
+    search: _Search, evaluated: _Evaluated, throughput: PlanThroughput, techniques: str | None
+) -> PlanCandidate:
+    return PlanCandidate(**_candidate_fields(search, evaluated, throughput), techniques=techniques)
 
 
 def _to_rejected(search: _Search, miss: _Evaluated) -> RejectedCandidate:

@@ -93,6 +93,15 @@ def _offload_seconds(shape: ModelShape, strategy: Strategy, pool: PoolCapacity, 
     return seconds
 
 
+def _exposed_activation_copies(
+    shape: ModelShape, strategy: Strategy, pool: PoolCapacity, micro_tokens: int, compute_seconds: float
+) -> float:
+    """Activation offloading copies every checkpointed layer's input to the host and back over PCIe on a
+    side stream, overlapped with compute: what the copies take beyond the compute is waited for."""
+    copied = 2 * shape.num_layers * micro_tokens * shape.hidden_size * compute_bytes(strategy.precision)
+    return max(0.0, copied / pool.pcie_bytes_per_second - compute_seconds)
+
+
 def estimate_throughput(
     shape: ModelShape,
     strategy: Strategy,
@@ -117,6 +126,8 @@ def step_seconds(
     micro_seconds = flops / (peak_flops(pool, strategy.precision) * efficiency)
     if strategy.method == Method.QLORA:
         micro_seconds *= QLORA_SLOWDOWN
+    if strategy.activation_offloading:
+        micro_seconds += _exposed_activation_copies(shape, strategy, pool, micro_tokens, micro_seconds)
     compute = micro_seconds * strategy.gradient_accumulation_steps
     frozen_16bit = shape.parameter_count if strategy.method == Method.LORA else 0  # ZeRO-3 also gathers the frozen base
     communication = _communication_seconds(shape, strategy, pool, trainable, frozen_16bit)

@@ -10,7 +10,8 @@ from typing import Any
 
 from memfit.api.finetunejob import FineTuneJobSpec
 from memfit.api.plan import Strategy, strategy_conflicts
-from memfit.api.vocabulary import Method, Offload, Optimizer, Precision
+from memfit.api.vocabulary import Method, Offload, Optimizer
+from memfit.contract.trainer_config import precision_section
 from memfit.model_shape import ModelShape
 
 NVME_PATH = "/local_nvme"
@@ -48,8 +49,10 @@ def deepspeed_config(spec: FineTuneJobSpec, strategy: Strategy) -> dict[str, Any
     never a config: the planner does not produce one."""
     s = strategy
     conflicts = strategy_conflicts(
-        s.method, s.precision, s.zero_stage, s.offload_optimizer, s.offload_parameters, s.optimizer, s.chunked_loss
-    )
+        s.method, s.precision, s.zero_stage, s.offload_optimizer, s.offload_parameters, s.optimizer, s.chunked_loss,
+        gradient_checkpointing=s.gradient_checkpointing, activation_offloading=s.activation_offloading,
+        master_weights=s.master_weights,
+    )  # fmt: skip
     if conflicts:
         raise ValueError(f"strategy {strategy.summary()!r} cannot run as planned: " + "; ".join(conflicts))
     shape = spec.model.architecture.shape()
@@ -63,10 +66,9 @@ def deepspeed_config(spec: FineTuneJobSpec, strategy: Strategy) -> dict[str, Any
         "wall_clock_breakdown": False,
         "zero_optimization": _zero_section(shape, strategy),
     }
-    if strategy.precision == Precision.BF16:
-        config["bf16"] = {"enabled": True}
-    elif strategy.precision == Precision.FP16:
-        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "hysteresis": 2}
+    section = precision_section(strategy.precision, strategy.master_weights, strategy.zero_stage)
+    if section is not None:
+        config[str(strategy.precision)] = section
     if strategy.optimizer in DEEPSPEED_OPTIMIZERS:
         config["optimizer"] = {
             "type": DEEPSPEED_OPTIMIZERS[strategy.optimizer],

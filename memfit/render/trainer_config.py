@@ -111,6 +111,8 @@ def render_trainer_config(
             gradient_checkpointing=strategy.gradient_checkpointing,
             attention=strategy.attention,
             chunked_loss=strategy.chunked_loss,
+            activation_offloading=strategy.activation_offloading,
+            master_weights=strategy.master_weights,
             seed=training.seed,
             checkpoint_every_steps=training.checkpoint_every_steps,
             lora=LoraConfig.model_validate(spec.lora.model_dump()),

@@ -471,5 +471,5 @@ def _replan_after_oom(
 
 
 def _layout(plan: PlanCandidate) -> str:
-    method, precision, stage, gpus = checkpoint_layout(plan)
-    return f"{method} {precision} ZeRO-{stage} on {gpus} GPU(s)"
+    method, precision, stage, gpus, masters = checkpoint_layout(plan)
+    return f"{method} {precision} ZeRO-{stage} on {gpus} GPU(s){' with bf16 masters' if masters == 'bf16' else ''}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -11,6 +12,8 @@ import yaml
 
 from memfit.api.finetunejob import FineTuneJob
 from memfit.api.loading import load_documents
+from memfit.memory.activations import estimate_activations
+from memfit.memory.estimate import LoraSettings, activation_setup, peak_memory, static_memory
 from memfit.planner.search import plan_job
 from memfit.render.trainer_config import render_trainer_config
 from memfit_operator import objects
@@ -224,6 +227,24 @@ def test_cpu_and_memory_requests_and_limits_come_from_the_plan(job) -> None:  # 
         assert (int(requests["cpu"]), int(limits["cpu"])) == (per_rank * ranks, 2 * per_rank * ranks)
         threads = next(e["value"] for e in container["env"] if e["name"] == "OMP_NUM_THREADS")
         assert int(threads) == int(limits["cpu"]) // ranks  # each rank's threads fit its share of the limit
+
+
+def test_offloaded_activations_are_in_the_pods_memory_request(job) -> None:  # type: ignore[no-untyped-def]
+    job_, plan, pool = plan_for(job, gradient_checkpointing=True, activation_offloading=True)
+    strategy = plan.strategy
+    assert strategy.activation_offloading
+    spec = job_.spec
+    shape = spec.model.architecture.shape()
+    lora = LoraSettings(spec.lora.rank, tuple(spec.lora.target_modules), spec.lora.dropout > 0)
+    sequence = spec.training.sequence_length
+    host = estimate_activations(shape, activation_setup(shape, strategy, sequence, lora)).host_bytes
+    assert host > 0
+    without = dataclasses.replace(strategy, activation_offloading=False)
+    activations = estimate_activations(shape, activation_setup(shape, without, sequence, lora))
+    cpu_without = peak_memory(static_memory(shape, without, lora), activations, 1).per_node.cpu
+    assert plan.memory.per_node.cpu == cpu_without + strategy.gpus_per_node * host  # every rank's inputs
+    container = objects.trainer_pod(job_, plan, pool, 1, 0, IMAGE)["spec"]["containers"][0]
+    assert mebibytes(container["resources"]["requests"]["memory"]) >= plan.memory.per_node.cpu
 
 
 def writable(pod: dict, path: str) -> dict | None:

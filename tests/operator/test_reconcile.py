@@ -745,8 +745,10 @@ def test_max_replans_zero_fails_on_the_first_oom(cluster: FakeCluster) -> None:
 
 
 def test_an_oom_with_no_leaner_plan_fails_with_advice() -> None:
-    # The leanest strategy there is on 8 GPUs (ZeRO-3, everything offloaded, checkpointing, micro-batch 1).
-    pinned = {"zeroStage": 3, "offloadOptimizer": "cpu", "offloadParameters": "cpu", "gradientCheckpointing": True}
+    # The leanest strategy there is on 8 GPUs (ZeRO-3, everything offloaded, checkpointing, activations on the
+    # host, micro-batch 1).
+    pinned = {"zeroStage": 3, "offloadOptimizer": "cpu", "offloadParameters": "cpu", "gradientCheckpointing": True,
+              "activationOffloading": True}  # fmt: skip
     document = job_document(method="full", strategy=pinned, resources={"pool": "a100-80gb", "maxGPUs": 8})
     document["spec"]["training"].update(globalBatchSize=8, precision="bf16")
     cluster = FakeCluster(document)

@@ -360,6 +360,12 @@ HOSTILE: tuple[Hostile, ...] = (
     Hostile("chunked-loss-under-zero3", chunked_loss_zero3, "chunkedLoss"),
     Hostile("chunked-loss-as-string", setting("training.chunkedLoss", "true"), "chunkedLoss"),
     Hostile(
+        "activation-offloading-without-checkpointing",
+        settings(training__activationOffloading=True, training__gradientCheckpointing=False),
+        "activationOffloading",
+    ),
+    Hostile("activation-offloading-as-string", setting("training.activationOffloading", "yes"), "activationOffloading"),
+    Hostile(
         "qlora-in-fp16",
         settings(
             training__method="qlora",

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from memfit.api.vocabulary import MasterWeights, Precision
 from memfit.contract.trainer_config import (
     DataConfig,
     LoraConfig,
@@ -22,6 +23,7 @@ from memfit.contract.trainer_config import (
     ModelConfig,
     TrainerConfig,
     TrainingConfig,
+    precision_section,
 )
 from memfit.model_shape import ModelFamily, ModelShape
 
@@ -46,7 +48,13 @@ def write_corpus(path: Path, records: int = 400) -> Path:
 
 
 def deepspeed_config(
-    stage: int, *, offload: bool, optimizer: str, learning_rate: float, world_size: int = WORLD_SIZE
+    stage: int,
+    *,
+    offload: bool,
+    optimizer: str,
+    learning_rate: float,
+    world_size: int = WORLD_SIZE,
+    master_weights: str = "fp32",
 ) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": stage}
     if offload:
@@ -57,9 +65,11 @@ def deepspeed_config(
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
         "steps_per_print": 2**31 - 1,
-        "bf16": {"enabled": True},
         "zero_optimization": zero,
     }
+    precision = precision_section(Precision.BF16, MasterWeights(master_weights), stage)
+    if precision is not None:  # none for bf16 masters at ZeRO-0: the optimizer updates the bf16 weights
+        config["bf16"] = precision
     if optimizer == "adamw":
         config["optimizer"] = {"type": "AdamW", "params": {"lr": learning_rate, "weight_decay": 0.0}}
     else:
@@ -81,6 +91,7 @@ def make_config(
     data: Path | None = None,
     world_size: int = WORLD_SIZE,
     chunked_loss: bool = False,
+    master_weights: str = "fp32",
 ) -> TrainerConfig:
     data = data or write_corpus(tmp_path / "corpus.jsonl")
     return TrainerConfig(
@@ -102,10 +113,16 @@ def make_config(
             keep_checkpoints=2,
             lora=LoraConfig(rank=8, alpha=16, dropout=0.0),
             chunked_loss=chunked_loss,
+            master_weights=master_weights,
         ),
         output_dir=str(tmp_path / name / "output"),
         deepspeed=deepspeed_config(
-            stage, offload=offload, optimizer=optimizer, learning_rate=learning_rate, world_size=world_size
+            stage,
+            offload=offload,
+            optimizer=optimizer,
+            learning_rate=learning_rate,
+            world_size=world_size,
+            master_weights=master_weights,
         ),
         metrics=MetricsConfig(port=0, progress_file=str(tmp_path / name / "progress.json")),
         termination_log=str(tmp_path / name / "termination-log"),

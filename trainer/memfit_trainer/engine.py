@@ -6,6 +6,11 @@ accepts with ``zero_allow_untested_optimizer`` and, under optimizer offload, ``z
 false`` (otherwise it refuses anything but its own CPU Adam). The schedule is linear warmup over
 ``warmup_ratio`` of the steps, then cosine decay to zero; DeepSpeed steps it at each optimizer step and
 saves it in its checkpoints.
+
+With ``training.masterWeights: bf16`` (pure bf16) the precision section decides what the optimizer updates
+(``memfit.contract.trainer_config.precision_section``): DeepSpeed's bf16 master partitions under ZeRO 1-3; at
+ZeRO-0 no section, so that DeepSpeed hands every optimizer, its own or a client one, the model's bf16
+parameters themselves (and clips their gradients itself).
 """
 
 from __future__ import annotations
@@ -17,8 +22,8 @@ from typing import Any
 
 import torch
 
-from memfit.api.vocabulary import EIGHT_BIT_OPTIMIZERS, Offload, Optimizer, Precision
-from memfit.contract.trainer_config import ConfigError, TrainerConfig, TrainingConfig
+from memfit.api.vocabulary import EIGHT_BIT_OPTIMIZERS, Offload, Optimizer
+from memfit.contract.trainer_config import ConfigError, TrainerConfig, TrainingConfig, precision_section
 
 
 def total_optimizer_steps(training: TrainingConfig, micro_batches_per_epoch: int | None) -> int:
@@ -75,16 +80,20 @@ def client_optimizer(training: TrainingConfig, params: Iterable[torch.nn.Paramet
 
 def engine_config(config: TrainerConfig, client: bool) -> dict[str, Any]:
     """``config.deepspeed`` plus what this run needs: the flags a client optimizer requires, and what the
-    training section decides where the DeepSpeed section leaves it out (batch sizes, clipping, precision;
-    where it gives them, the config's validation made sure they agree)."""
+    training section decides where the DeepSpeed section leaves it out (batch sizes, clipping, precision and
+    master weights, as ``memfit.render.deepspeed`` renders them; where it gives them, the config's validation
+    made sure they agree)."""
     training = config.training
     ds = copy.deepcopy(config.deepspeed)
     ds.setdefault("train_micro_batch_size_per_gpu", training.micro_batch_size)
     ds.setdefault("gradient_accumulation_steps", training.gradient_accumulation_steps)
     ds.setdefault("train_batch_size", training.global_batch_size)
     ds.setdefault("gradient_clipping", training.max_grad_norm)
-    if "bf16" not in ds and "fp16" not in ds and training.precision != Precision.FP32:
-        ds[str(training.precision)] = {"enabled": True}
+    if "bf16" not in ds and "fp16" not in ds:
+        # With bf16 masters at ZeRO-0 there is none on purpose: the optimizer updates the bf16 weights themselves.
+        section = precision_section(training.precision, training.master_weights, config.zero_stage)
+        if section is not None:
+            ds[str(training.precision)] = section
     if client:
         ds["zero_allow_untested_optimizer"] = True
         if ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", Offload.NONE) != Offload.NONE:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from memfit.api.vocabulary import Method
 from memfit.contract.trainer_config import ConfigError, TrainerConfig
+from memfit_trainer.activation_offload import ActivationOffload, offload_activations
 from memfit_trainer.checkpoint import CheckpointManager, fsync_tree, load_rng_state, save_rng_state
 from memfit_trainer.chunked_loss import causal_lm_loss, select_kernel, unwrap_causal_lm
 from memfit_trainer.console import ConsoleProgress
@@ -146,7 +147,8 @@ def _save_checkpoint(
 
 
 def _mean_across_ranks(value: torch.Tensor) -> float:
-    value = value.detach().float().cpu()
+    """Reduced where the loss is: NCCL reduces only device tensors (gloo reduces host and device ones)."""
+    value = value.detach().float()
     dist.all_reduce(value)
     return value.item() / dist.get_world_size()
 
@@ -163,6 +165,17 @@ def _loss_function(
     progress.message(f"loss: chunked cross-entropy ({name})")
     causal_lm = unwrap_causal_lm(engine)
     return lambda batch: causal_lm_loss(engine, causal_lm, batch, kernel)
+
+
+def _activation_offload(config: TrainerConfig, engine: Any, progress: ConsoleProgress) -> ActivationOffload | None:
+    """With ``training.activation_offloading``, the checkpointed layers' saved inputs wait in pinned host
+    memory between forward and backward (installed once on the model, said in the log, with what moved at
+    the end). The config refuses it without gradient checkpointing."""
+    if not config.training.activation_offloading:
+        return None
+    offload = offload_activations(engine.module)
+    progress.message(offload.describe())
+    return offload
 
 
 def train(config: TrainerConfig, ranks: Ranks, metrics: TrainerMetrics, guard: OomGuard) -> None:
@@ -195,6 +208,7 @@ def train(config: TrainerConfig, ranks: Ranks, metrics: TrainerMetrics, guard: O
 
     device = engine.device
     loss_of = _loss_function(config, engine, device, progress)
+    offload = _activation_offload(config, engine, progress)
     accumulation = training.gradient_accumulation_steps
     samples_per_rank = training.micro_batch_size * accumulation  # per optimizer step
     tokens_per_rank = samples_per_rank * training.sequence_length
@@ -229,5 +243,7 @@ def train(config: TrainerConfig, ranks: Ranks, metrics: TrainerMetrics, guard: O
             _save_checkpoint(engine, manager, step, position, ranks, training.keep_checkpoints, lora, layout)
             metrics.checkpoint(step=step, seconds=time.monotonic() - started)
         _hold(step)
+    if offload is not None:
+        progress.message(offload.summary())
     save_final(engine, built.tokenizer, config.final_dir, rank=ranks.rank, lora=lora)
     progress.message(f"done: step {step}/{total}, final output in {config.final_dir}")
