@@ -32,12 +32,22 @@ class PeerFigure:
     peer: str
     gpu: str
     source: str
+    peer_offloaded: bool = False
+    """The peer offloaded parameters and optimizer states to the host (then memfit's plan may too)."""
 
 
 FIGURES = (
     PeerFigure("llama-3.1-8b-qlora", 7.4, "torchtune", "RTX 4090", "torchtune README, Memory and training speed"),
     PeerFigure("llama-3.2-3b-full", 24.9, "torchtune", "A100", "torchtune figure quoted in memfit issue 11"),
     PeerFigure("llama-3.1-8b-lora", 16.2, "torchtune", "RTX 4090", "torchtune README, Memory and training speed"),
+    PeerFigure(
+        "llama-3.1-70b-full",
+        13.9,
+        "torchtune",
+        "8x A100",
+        "torchtune README, Memory and training speed (CPU offload, optimizer fused into backward)",
+        peer_offloaded=True,
+    ),  # fmt: skip
 )
 
 

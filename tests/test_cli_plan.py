@@ -31,7 +31,7 @@ CANDIDATE_KEYS = {
 }
 STRATEGY_KEYS = {"method", "pool", "nodes", "gpusPerNode", "zeroStage", "offloadOptimizer", "offloadParameters",
                  "gradientCheckpointing", "microBatchSize", "gradientAccumulationSteps", "precision", "optimizer",
-                 "attention", "chunkedLoss", "activationOffloading", "masterWeights"}  # fmt: skip
+                 "attention", "chunkedLoss", "activationOffloading", "masterWeights", "engine"}  # fmt: skip
 PER_GPU_KEYS = {"parameters", "gradients", "optimizerStates", "activations", "overhead", "peakAllocatedBytes", "total"}
 
 
@@ -225,3 +225,15 @@ def test_an_error_prints_names_literally(capsys: pytest.CaptureFixture[str], tmp
         code == 2
         and "FineTuneJob '[/]\\x1b[2J': spec.training.globalBatchSize: Input should be a valid integer, got '64'" in err
     )
+
+
+def test_emit_ds_config_says_an_fsdp2_plan_has_none(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    document = yaml.safe_load(JOB.read_text())
+    document["spec"]["strategy"] = {"engine": "fsdp2"}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(document))
+    target = tmp_path / "ds.json"
+    code, out, err = run(capsys, path, "-i", INVENTORY, "--emit-ds-config", target)
+    assert code == 0 and "fsdp2" in out
+    assert "runs on the fsdp2 engine, which has no DeepSpeed config: nothing written" in err
+    assert not target.exists()

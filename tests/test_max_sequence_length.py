@@ -65,7 +65,7 @@ def test_json_gives_every_pool(capsys: pytest.CaptureFixture[str], tmp_path: Pat
     code, out, _ = run(capsys, path, "-i", PEERS / "inventory.yaml", "--max-sequence-length", "-o", "json")
     assert code == 0
     rows = json.loads(out)
-    assert [row["pool"] for row in rows] == ["peer-8-1gib", "peer-27-4gib", "peer-17-8gib"]
+    assert [row["pool"] for row in rows] == ["peer-8-1gib", "peer-27-4gib", "peer-17-8gib", "peer-15-3gib-x8"]
     for row in rows:
         assert row["sequenceLength"] >= 8 and row["plan"]["strategy"]["pool"] == row["pool"]
 

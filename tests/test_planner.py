@@ -42,7 +42,9 @@ def test_duplicate_options_are_not_enumerated() -> None:
     result = plan_job(job("qwen2.5-0.5b", "full", batch=8), [A100_NODE])
     for candidate in result.candidates:
         s = candidate.strategy
-        if s.gpus > 1:
+        if s.engine != "deepspeed":
+            assert s.zero_stage in (2, 3)  # FSDP2 always shards; on one GPU resharding still frees the gathered copy
+        elif s.gpus > 1:
             assert s.zero_stage != 0
         else:
             assert s.zero_stage != 2

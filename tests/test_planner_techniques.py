@@ -41,7 +41,7 @@ BEFORE_THE_TECHNIQUES = [
     ("gemma-2-9b", "auto", 32, 4096, "full zero2 ckpt mb2x2 bf16 adamw on 1x8 a100", 70605891756, 173637099520),
     ("mistral-7b-v0.3", "auto", 8, 32768, "full zero1 ckpt mb1x1 bf16 adamw on 1x8 a100", 52385147136, 141738180608),
 ]
-OLD_BEHAVIOUR = {"chunkedLoss": False, "activationOffloading": False, "masterWeights": "fp32"}
+OLD_BEHAVIOUR = {"chunkedLoss": False, "activationOffloading": False, "masterWeights": "fp32", "engine": "deepspeed"}
 
 
 @pytest.mark.parametrize("row", BEFORE_THE_TECHNIQUES, ids=[f"{r[0]}/{r[1]}" for r in BEFORE_THE_TECHNIQUES])

@@ -70,8 +70,8 @@ def global_batch(plan: PlanCandidate) -> int:
 def test_checkpoint_layout_is_method_precision_zero_stage_gpu_count_and_masters() -> None:
     plan = first_plan(spec(strategy={"chunkedLoss": False}))  # the plan of the zero-2 layout
     s = plan.strategy
-    assert checkpoint_layout(plan) == (s.method, s.precision, s.zero_stage, s.gpus, s.master_weights)
-    assert checkpoint_layout(plan) == ("full", "bf16", 2, 8, "fp32")
+    assert checkpoint_layout(plan) == (s.method, s.precision, s.zero_stage, s.gpus, s.master_weights, s.engine)
+    assert checkpoint_layout(plan) == ("full", "bf16", 2, 8, "fp32", "deepspeed")
 
 
 def test_checkpoint_layout_ignores_knobs_that_do_not_change_the_checkpoint() -> None:

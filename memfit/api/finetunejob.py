@@ -27,6 +27,7 @@ from memfit.api.plan import PlanCandidate, strategy_conflicts
 from memfit.api.vocabulary import (
     Attention,
     DatasetFormat,
+    Engine,
     MasterWeights,
     Method,
     Offload,
@@ -275,6 +276,9 @@ class StrategySpec(ApiModel):
     """fp32: mixed precision with fp32 master weights (the default the planner prefers). bf16: pure bf16
     weights, gradients and optimizer states: less memory and different numerics; the planner picks it only
     where nothing fits with fp32 masters."""
+    engine: Engine | None = None
+    """deepspeed (ZeRO) or fsdp2 (PyTorch's fully_shard; zeroStage 2 or 3, CPU offload of parameters,
+    gradients and optimizer states together)."""
 
 
 class FineTuneJobSpec(ApiModel):
@@ -317,6 +321,7 @@ class FineTuneJobSpec(ApiModel):
             gradient_checkpointing=strategy.gradient_checkpointing,
             activation_offloading=strategy.activation_offloading,
             master_weights=strategy.master_weights,
+            engine=strategy.engine,
         )
         if conflicts:
             raise ValueError("; ".join(conflicts))

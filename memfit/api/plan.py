@@ -14,6 +14,7 @@ from memfit.api.base import ApiModel, to_camel
 from memfit.api.vocabulary import (
     EIGHT_BIT_OPTIMIZERS,
     Attention,
+    Engine,
     MasterWeights,
     Method,
     Offload,
@@ -70,6 +71,10 @@ class Strategy:
     """Whether checkpointed layers' saved inputs wait in pinned host memory between forward and backward."""
     master_weights: MasterWeights = MasterWeights.FP32
     """fp32 master weights (mixed precision), or pure bf16 weights, gradients and optimizer states."""
+    engine: Engine = Engine.DEEPSPEED
+    """deepspeed (ZeRO), or fsdp2 (PyTorch fully_shard: zeroStage 3 reshards parameters after the forward
+    pass, 2 keeps them gathered until the backward; offload moves parameters, gradients and optimizer states
+    to the host together)."""
 
     @property
     def gpus(self) -> int:
@@ -77,7 +82,8 @@ class Strategy:
 
     def summary(self) -> str:
         """One line a person can read, e.g. `full zero2 ckpt mb2x4 bf16 adamw on 2x8 a100`."""
-        parts: list[str] = [self.method, f"zero{self.zero_stage}"]
+        stage = f"zero{self.zero_stage}"
+        parts: list[str] = [self.method, stage if self.engine == Engine.DEEPSPEED else f"fsdp2-{stage}"]
         if self.offload_optimizer != Offload.NONE:
             parts.append(f"opt->{self.offload_optimizer}")
         if self.offload_parameters != Offload.NONE:
@@ -109,6 +115,7 @@ def strategy_conflicts(
     gradient_checkpointing: bool | None = None,
     activation_offloading: bool | None = None,
     master_weights: MasterWeights | None = None,
+    engine: Engine | None = None,
 ) -> list[str]:
     """Why a combination of knobs cannot run as planned: the trainer's preflight refuses it, DeepSpeed
     refuses it, or DeepSpeed silently ignores part of it. ``None`` (and ``auto``) is a knob not decided
@@ -156,10 +163,48 @@ def strategy_conflicts(
     bf16_masters = master_weights == MasterWeights.BF16
     if bf16_masters and precision in (Precision.FP16, Precision.FP32):
         conflicts.append(f"strategy.masterWeights bf16 needs training.precision bf16 (not {precision})")
-    if bf16_masters and offloads_optimizer:
+    if engine == Engine.FSDP2:
+        conflicts += _fsdp2_conflicts(method, precision, zero_stage, offload_optimizer, offload_parameters, optimizer)
+    if bf16_masters and offloads_optimizer and engine != Engine.FSDP2:
         conflicts.append(
             "strategy.masterWeights bf16 keeps the optimizer on the GPU; with strategy.offloadOptimizer use fp32 "
             "masters (host memory holds them)"
+        )
+    return conflicts
+
+
+def _fsdp2_conflicts(
+    method: Method | None,
+    precision: Precision | None,
+    zero_stage: int | None,
+    offload_optimizer: Offload | None,
+    offload_parameters: Offload | None,
+    optimizer: Optimizer | None,
+) -> list[str]:
+    """What the FSDP2 engine cannot run: it always shards parameters, gradients and optimizer states (ZeRO
+    2 or 3, by whether parameters are resharded after the forward pass), and its CPUOffloadPolicy moves all
+    three to the host together."""
+    conflicts = []
+    if precision == Precision.FP16:
+        conflicts.append("strategy.engine fsdp2 trains in bf16 or fp32 (fp16 needs loss scaling, which it does not do)")
+    if zero_stage in (0, 1):
+        conflicts.append(
+            "strategy.engine fsdp2 shards parameters, gradients and optimizer states: zeroStage 3 (resharded "
+            "after the forward pass) or 2 (kept gathered until the backward pass)"
+        )
+    if Offload.NVME in (offload_optimizer, offload_parameters):
+        conflicts.append("strategy.engine fsdp2 offloads to CPU memory only (no NVMe)")
+    elif None not in (offload_optimizer, offload_parameters) and offload_optimizer != offload_parameters:
+        conflicts.append(
+            "strategy.engine fsdp2 offloads parameters, gradients and optimizer states together: set "
+            "offloadOptimizer and offloadParameters alike"
+        )
+    if method == Method.QLORA:
+        conflicts.append("method qlora runs on the deepspeed engine (4-bit weights are not sharded by fsdp2 here)")
+    if optimizer is not None and optimizer != Optimizer.ADAMW:
+        conflicts.append(
+            f"training.optimizer {optimizer} runs on the deepspeed engine; strategy.engine fsdp2 runs adamw (on "
+            "its sharded tensors)"
         )
     return conflicts
 

@@ -52,6 +52,13 @@ class Optimizer(StrEnum):
     LION = "lion"
 
 
+class Engine(StrEnum):
+    """What shards and steps the model: DeepSpeed ZeRO, or PyTorch's FSDP2 (``fully_shard``)."""
+
+    DEEPSPEED = "deepspeed"
+    FSDP2 = "fsdp2"
+
+
 class MasterWeights(StrEnum):
     """What the optimizer updates: fp32 master copies of the 16-bit weights (mixed precision), or the bf16
     weights themselves with bf16 gradients and optimizer states (pure bf16: less memory, other numerics)."""

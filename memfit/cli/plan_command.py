@@ -12,6 +12,7 @@ from memfit.api.base import escaped, shown
 from memfit.api.finetunejob import FineTuneJob
 from memfit.api.gpupool import GPUPool
 from memfit.api.loading import InputError, load_documents
+from memfit.api.vocabulary import Engine
 from memfit.cli.exit_codes import ExitCode
 from memfit.cli.plan_table import print_longest_table, print_plan_table
 from memfit.planner.longest import longest_sequence
@@ -86,7 +87,10 @@ def run_plan(
             json.dumps(data, indent=2) + "\n" if output == "json" else yaml.safe_dump(data, sort_keys=False)
         )
 
-    if ds_config_path is not None and result.chosen is not None:
+    if ds_config_path is not None and result.chosen is not None and result.chosen.strategy.engine != Engine.DEEPSPEED:
+        print(f"the chosen plan runs on the {result.chosen.strategy.engine} engine, which has no DeepSpeed config: "
+              f"nothing written to {escaped(str(ds_config_path))}", file=sys.stderr)  # fmt: skip
+    elif ds_config_path is not None and result.chosen is not None:
         config = deepspeed_config(job.spec, result.chosen.strategy)
         try:
             ds_config_path.write_text(json.dumps(config, indent=2) + "\n")

@@ -40,6 +40,7 @@ from memfit.api.vocabulary import (
     EIGHT_BIT_OPTIMIZERS,
     Attention,
     DatasetFormat,
+    Engine,
     MasterWeights,
     Method,
     Offload,
@@ -517,6 +518,20 @@ def _master_weights_problems(ds: DeepSpeedSection, master_weights: MasterWeights
 # --- the config ----------------------------------------------------------------------------------------
 
 
+class Fsdp2Config(ApiModel):
+    """How the FSDP2 engine shards the model (``torch.distributed.fsdp.fully_shard`` on every decoder layer and
+    the root)."""
+
+    reshard_after_forward: Annotated[bool, Strict()] = True
+    """True: each layer's parameters are resharded after its forward and gathered again for the backward (ZeRO-3
+    like); False: kept gathered until the backward (ZeRO-2 like)."""
+    cpu_offload: Annotated[bool, Strict()] = False
+    """CPUOffloadPolicy: sharded parameters, gradients and optimizer states in (pinned) host memory, the
+    optimizer step on the CPU."""
+    reduce_dtype: Literal[Precision.FP32, Precision.BF16] = Precision.FP32
+    """Gradient reduce-scatter dtype (MixedPrecisionPolicy.reduce_dtype): fp32 with fp32 masters."""
+
+
 class TrainerConfig(ApiModel):
     """Everything one training run needs."""
 
@@ -528,8 +543,12 @@ class TrainerConfig(ApiModel):
     training: TrainingConfig
     output_dir: AbsolutePath
     """Checkpoints go to outputDir/checkpoints, the final model or adapter to outputDir/final."""
-    deepspeed: dict[str, Any]
-    """The DeepSpeed config, exactly as `memfit plan --emit-ds-config` renders it (see DeepSpeedSection)."""
+    engine: Engine = Engine.DEEPSPEED
+    deepspeed: dict[str, Any] = Field(default_factory=dict)
+    """The DeepSpeed config, exactly as `memfit plan --emit-ds-config` renders it (see DeepSpeedSection); empty
+    on the fsdp2 engine."""
+    fsdp2: Fsdp2Config | None = None
+    """The FSDP2 engine's settings (only, and always, with engine fsdp2)."""
     prediction: PredictionConfig | None = None
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     termination_log: AbsolutePath = "/dev/termination-log"
@@ -554,7 +573,7 @@ class TrainerConfig(ApiModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainerConfig:
-        problems = self._batch_problems() + self._deepspeed_problems() + self._volume_problems()
+        problems = self._batch_problems() + self._engine_problems() + self._volume_problems()
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -564,6 +583,27 @@ class TrainerConfig(ApiModel):
         if t.global_batch_size % (t.micro_batch_size * t.gradient_accumulation_steps):
             return ["training.globalBatchSize is not a multiple of microBatchSize x gradientAccumulationSteps"]
         return []
+
+    def _engine_problems(self) -> list[str]:
+        if self.engine == Engine.DEEPSPEED:
+            if self.fsdp2 is not None:
+                return ["fsdp2 settings are given, but engine is deepspeed"]
+            if "deepspeed" not in self.model_fields_set:  # it defaults to {} for fsdp2 only: given, as before
+                return ["engine deepspeed needs its deepspeed section"]
+            return self._deepspeed_problems()
+        problems = []
+        if self.deepspeed:
+            problems.append("engine fsdp2 takes no deepspeed section")
+        if self.fsdp2 is None:
+            problems.append("engine fsdp2 needs its fsdp2 settings")
+        t = self.training
+        stage = 3 if self.fsdp2 is None or self.fsdp2.reshard_after_forward else 2
+        offload = Offload.CPU if self.fsdp2 is not None and self.fsdp2.cpu_offload else Offload.NONE
+        problems += strategy_conflicts(t.method, t.precision, stage, offload, offload, t.optimizer, t.chunked_loss,
+                                       gradient_checkpointing=t.gradient_checkpointing,
+                                       activation_offloading=t.activation_offloading, master_weights=t.master_weights,
+                                       engine=self.engine)  # fmt: skip
+        return problems
 
     def _deepspeed_problems(self) -> list[str]:
         t, ds = self.training, deepspeed_section(self.deepspeed)
@@ -640,14 +680,17 @@ class TrainerConfig(ApiModel):
 
     @property
     def zero_stage(self) -> int:
+        """DeepSpeed's ZeRO stage, or the one fsdp2's sharding is like (3: resharded after forward, else 2)."""
+        if self.fsdp2 is not None:
+            return 3 if self.fsdp2.reshard_after_forward else 2
         return deepspeed_section(self.deepspeed).zero_optimization.stage
 
     @property
     def layout(self) -> CheckpointLayout:
         """How this run's checkpoints are sharded (memfit.contract.layout)."""
         training = self.training
-        return CheckpointLayout(training.method, training.precision, self.zero_stage, self.world_size,
-                                training.master_weights)  # fmt: skip
+        return CheckpointLayout.of_run(training.method, training.precision, self.zero_stage, self.world_size,
+                                       training.master_weights, self.engine)  # fmt: skip
 
     @property
     def checkpoint_dir(self) -> Path:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from memfit.api.plan import PerGPUMemory, PerNodeMemory, PhaseMemory, PlanMemory, PlanPhases, Strategy
 from memfit.api.vocabulary import Method, Precision, StepPhase
 from memfit.memory.activations import ActivationEstimate, ActivationSetup
+from memfit.memory.fsdp2 import Fsdp2Moment, Fsdp2Step, fsdp2_step, is_fsdp2
 from memfit.memory.overhead import FRAGMENTATION, communication_buffer_bytes, runtime_bytes
 from memfit.memory.states import ModelStates, compute_bytes, model_states, trainable_split
 from memfit.model_shape import ModelShape
@@ -86,6 +87,8 @@ class StaticMemory:
     gradients_timeline: GradientTimeline
     ranks_per_node: int
     """Trainer processes (GPUs) per node, each holding its own offloaded activations."""
+    fsdp2: Fsdp2Step | None = None
+    """The FSDP2 engine's gathered parameters and communication buffers (None: DeepSpeed)."""
 
     @property
     def floor(self) -> int:
@@ -107,6 +110,7 @@ def static_memory(shape: ModelShape, strategy: Strategy, lora: LoraSettings) -> 
         zero_stage=strategy.zero_stage,
         gradients_timeline=gradient_timeline(shape, strategy.method, strategy.precision),
         ranks_per_node=strategy.gpus_per_node,
+        fsdp2=fsdp2_step(shape, strategy, lora.rank, lora.targets) if is_fsdp2(strategy) else None,
     )
 
 
@@ -162,8 +166,16 @@ def forward_backward_moments(
 
 
 def _grads_persist(static: StaticMemory, accumulation_steps: int) -> bool:
-    """Accumulating micro-batches keeps gradients alive across them; ZeRO-2/3 keep their partition."""
-    return accumulation_steps > 1 or static.zero_stage >= 2
+    """Accumulating micro-batches keeps gradients alive across them; ZeRO-2/3 keep their partition (FSDP2
+    sets its sharded gradients to None after each step)."""
+    return accumulation_steps > 1 or (static.zero_stage >= 2 and static.fsdp2 is None)
+
+
+def _fsdp2_binding_moment(
+    static: StaticMemory, activations: ActivationEstimate, accumulation_steps: int
+) -> Fsdp2Moment:
+    assert static.fsdp2 is not None
+    return max(static.fsdp2.moments(activations, _grads_persist(static, accumulation_steps)), key=lambda m: m.total)
 
 
 def _overhead(static: StaticMemory, activations: ActivationEstimate) -> int:
@@ -175,6 +187,10 @@ def step_total(static: StaticMemory, activations: ActivationEstimate, accumulati
     """``peak_memory(...).per_gpu.total`` without building the breakdown (the search's inner loop, where
     this is most of the planner's time: tests/test_plan_phases.py keeps the two equal)."""
     states, a = static.states, activations
+    if static.fsdp2 is not None:
+        step = states.gradients + states.step_gradients
+        moment = _fsdp2_binding_moment(static, a, accumulation_steps)
+        return states.parameters + states.optimizer_states + _overhead(static, a) + max(moment.total, step)
     at_loss, at_last_layer, at_first_layer, at_end = _moment_gradients(
         states.gradients, _grads_persist(static, accumulation_steps), static.gradients_timeline
     )
@@ -188,12 +204,21 @@ def peak_memory(static: StaticMemory, activations: ActivationEstimate, accumulat
     """Combine the static part with one micro-batch's activations into the step's two moments; the
     larger binds."""
     states = static.states
-    fwd_bwd_grads, acts = forward_backward_moments(
-        activations, states.gradients, _grads_persist(static, accumulation_steps), static.gradients_timeline
-    )
+    fwd_bwd_params = states.parameters
+    if static.fsdp2 is not None:
+        moment = _fsdp2_binding_moment(static, activations, accumulation_steps)
+        fwd_bwd_params, fwd_bwd_grads, acts = (
+            states.parameters + moment.parameters,
+            moment.gradients,
+            moment.activations,
+        )
+    else:
+        fwd_bwd_grads, acts = forward_backward_moments(
+            activations, states.gradients, _grads_persist(static, accumulation_steps), static.gradients_timeline
+        )
     overhead = _overhead(static, activations)
     phases = PlanPhases(
-        forward_backward=PhaseMemory.of(states.parameters, fwd_bwd_grads, states.optimizer_states, acts, overhead),
+        forward_backward=PhaseMemory.of(fwd_bwd_params, fwd_bwd_grads, states.optimizer_states, acts, overhead),
         optimizer_step=PhaseMemory.of(
             states.parameters, states.gradients + states.step_gradients, states.optimizer_states, 0, overhead
         ),
@@ -204,9 +229,9 @@ def peak_memory(static: StaticMemory, activations: ActivationEstimate, accumulat
         else StepPhase.OPTIMIZER_STEP
     )
     bound = phases.at(binding)
-    resident = states.parameters + states.optimizer_states + static.communication_buffers
+    resident = bound.parameters + states.optimizer_states + static.communication_buffers
     per_gpu = PerGPUMemory(
-        parameters=states.parameters,
+        parameters=bound.parameters,
         gradients=bound.gradients,
         optimizer_states=states.optimizer_states,
         activations=acts,  # the forward/backward's, also when the optimizer step binds

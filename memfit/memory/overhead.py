@@ -7,6 +7,7 @@ machine without a GPU); the planner's headroom (default 10%) covers their spread
 from __future__ import annotations
 
 from memfit.api.plan import Strategy
+from memfit.api.vocabulary import Engine
 from memfit.memory.states import compute_bytes
 from memfit.model_shape import ModelShape
 from memfit.render.deepspeed import bucket_elements
@@ -31,8 +32,10 @@ DDP_ALLREDUCE_ELEMENTS = 500_000_000
 
 
 def communication_buffer_bytes(shape: ModelShape, strategy: Strategy, trainable: int) -> int:
-    """Gradient and parameter buckets DeepSpeed allocates for collective communication."""
-    if strategy.gpus == 1:
+    """Gradient and parameter buckets DeepSpeed allocates for collective communication. FSDP2 has no
+    buckets: its all-gather and reduce-scatter buffers are counted where they are alive
+    (:mod:`memfit.memory.fsdp2`)."""
+    if strategy.gpus == 1 or strategy.engine == Engine.FSDP2:
         return 0
     w = compute_bytes(strategy.precision)
     buckets = bucket_elements(shape, strategy.zero_stage)

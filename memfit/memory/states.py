@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from memfit.api.plan import Strategy
-from memfit.api.vocabulary import EIGHT_BIT_OPTIMIZERS, MasterWeights, Method, Offload, Optimizer, Precision
+from memfit.api.vocabulary import EIGHT_BIT_OPTIMIZERS, Engine, MasterWeights, Method, Offload, Optimizer, Precision
 from memfit.model_shape import ModelShape
 
 FP64 = 8
@@ -311,6 +311,10 @@ def bf16_step_transient(shape: ModelShape, strategy: Strategy, lora_rank: int, l
 
 def model_states(shape: ModelShape, strategy: Strategy, lora_rank: int, lora_targets: tuple[str, ...]) -> ModelStates:
     """Weights, gradients and optimizer states of one rank for ``strategy``."""
+    if strategy.engine == Engine.FSDP2:
+        from memfit.memory.fsdp2 import fsdp2_model_states  # it builds on this module
+
+        return fsdp2_model_states(shape, strategy, lora_rank, lora_targets)
     split = trainable_split(shape, strategy.method, lora_rank, lora_targets)
     n = strategy.gpus
     stage = strategy.zero_stage

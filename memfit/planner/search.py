@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -19,6 +20,7 @@ from memfit.api.plan import (
 )
 from memfit.api.vocabulary import (
     Attention,
+    Engine,
     MasterWeights,
     Method,
     Offload,
@@ -97,7 +99,7 @@ def _rebuilt(t: Strategy, micro: int, accumulation: int, chunked_loss: bool, act
         gradient_checkpointing=t.gradient_checkpointing, micro_batch_size=micro,
         gradient_accumulation_steps=accumulation, precision=t.precision, optimizer=t.optimizer,
         attention=t.attention, chunked_loss=chunked_loss, activation_offloading=activation_offloading,
-        master_weights=t.master_weights,
+        master_weights=t.master_weights, engine=t.engine,
     )  # fmt: skip
 
 
@@ -128,15 +130,36 @@ class _Search:
     exclude: Collection[str]
     fits: list[_Fit] = field(default_factory=list)
     nearest_misses: dict[tuple[str, int, int, str], _Evaluated] = field(default_factory=dict)
-    static: dict[tuple[str, int, Offload, Offload, int, int, str, str], StaticMemory] = field(default_factory=dict)
+    static: dict[tuple[str, int, Offload, Offload, int, int, str, str, str], StaticMemory] = field(default_factory=dict)
     activations: dict[tuple[str, str, bool, int, Attention, bool, bool], ActivationEstimate] = field(
         default_factory=dict
     )
     master_weights: MasterWeights = MasterWeights.FP32
     """The masters this pass plans with (bf16 only where nothing fits with fp32, or pinned)."""
+    options: dict[tuple[str, str, bool, bool, Engine], tuple[tuple[int, Offload, Offload], ...]] = field(
+        default_factory=dict
+    )
+    variants: dict[tuple[bool, bool], list[tuple[bool, bool]]] = field(default_factory=dict)
     fastest: dict[str, list[float]] = field(default_factory=dict)
     """Per method, a min-heap of the MAX_CANDIDATES best speeds of plans without techniques found so far:
     knobs whose best case is slower than all of them cannot be reported, and are not evaluated."""
+
+    def zero_options(
+        self, method: PlannedMethod, precision: PlannedPrecision, capacity: PoolCapacity, gpus: int, engine: Engine
+    ) -> tuple[tuple[int, Offload, Offload], ...]:
+        """_zero_options, once per distinct input (it depends on the pool only through its NVMe)."""
+        key = (method, precision, capacity.nvme_bytes_per_node > 0, gpus == 1, engine)
+        options = self.options.get(key)
+        if options is None:
+            options = self.options[key] = tuple(_zero_options(self, method, precision, capacity, gpus, engine))
+        return options
+
+    def technique_variants(self, zero_stage: int, checkpointing: bool) -> list[tuple[bool, bool]]:
+        key = (zero_stage == 3, checkpointing)
+        variants = self.variants.get(key)
+        if variants is None:
+            variants = self.variants[key] = _technique_variants(self.spec, zero_stage, checkpointing)
+        return variants
 
     def outpaced(self, plain: Strategy, largest_micro: int, capacity: PoolCapacity) -> bool:
         """Whether MAX_CANDIDATES plans of the method are faster than these knobs could be (their largest
@@ -168,7 +191,8 @@ class _Search:
 
     def static_memory(self, template: Strategy) -> StaticMemory:
         key = (template.method, template.zero_stage, template.offload_optimizer, template.offload_parameters,
-               template.nodes, template.gpus_per_node, template.precision, template.master_weights)  # fmt: skip
+               template.nodes, template.gpus_per_node, template.precision, template.master_weights,
+               template.engine)  # fmt: skip
         if key not in self.static:
             self.static[key] = static_memory(self.shape, template, self.lora)
         return self.static[key]
@@ -375,7 +399,7 @@ def _pinned_conflicts(search: _Search, method: PlannedMethod) -> bool:
                                   pinned.offload_parameters, spec.training.optimizer, pinned.chunked_loss,
                                   gradient_checkpointing=pinned.gradient_checkpointing,
                                   activation_offloading=pinned.activation_offloading,
-                                  master_weights=search.master_weights)  # fmt: skip
+                                  master_weights=search.master_weights, engine=pinned.engine)  # fmt: skip
 
     stages = [pinned.zero_stage] if pinned.zero_stage is not None else [0, 1, 2, 3]
     per_stage = [conflicts(stage) for stage in stages]
@@ -402,19 +426,24 @@ def _precisions(search: _Search, capacity: PoolCapacity, method: PlannedMethod) 
 
 
 def _zero_options(
-    search: _Search, method: PlannedMethod, precision: PlannedPrecision, capacity: PoolCapacity, gpus: int
+    search: _Search,
+    method: PlannedMethod,
+    precision: PlannedPrecision,
+    capacity: PoolCapacity,
+    gpus: int,
+    engine: Engine,
 ) -> Iterator[tuple[int, Offload, Offload]]:
-    """(stage, optimizer offload, parameter offload) combinations that run as planned (no
+    """(stage, optimizer offload, parameter offload) combinations that run as planned on ``engine`` (no
     strategy_conflicts), without the ones that duplicate another: with several GPUs ZeRO-1 communicates
-    as much as ZeRO-0 and holds less; on one GPU nothing is partitioned, so the stages differ only by
-    what they offload."""
+    as much as ZeRO-0 and holds less; on one GPU DeepSpeed partitions nothing, so its stages differ only by
+    what they offload (FSDP2's still differ: resharding after forward frees the gathered copies)."""
     spec = search.spec
     pinned = spec.strategy
     stages = [pinned.zero_stage] if pinned.zero_stage is not None else [0, 1, 2, 3]
     devices = [Offload.NONE, Offload.CPU] + ([Offload.NVME] if capacity.nvme_bytes_per_node else [])
     optimizer = spec.training.optimizer
     for stage in stages:
-        if pinned.zero_stage is None and (stage == 0 if gpus > 1 else stage == 2):
+        if pinned.zero_stage is None and engine == Engine.DEEPSPEED and (stage == 0 if gpus > 1 else stage == 2):
             continue
         for opt in _pinned_or(pinned.offload_optimizer, devices):
             # Adapters' states are too small to be worth moving (unless the spec says so).
@@ -422,10 +451,11 @@ def _zero_options(
                 continue
             for params in _pinned_or(pinned.offload_parameters, devices if stage == 3 else [Offload.NONE]):
                 if strategy_conflicts(method, precision, stage, opt, params, optimizer, pinned.chunked_loss,
-                                      master_weights=search.master_weights):  # fmt: skip
+                                      master_weights=search.master_weights, engine=engine):  # fmt: skip
                     continue
                 single_gpu_duplicate = (
                     gpus == 1
+                    and engine == Engine.DEEPSPEED
                     and pinned.zero_stage is None
                     and ((stage == 1 and opt == Offload.NONE) or (stage == 3 and params == Offload.NONE))
                 )
@@ -454,20 +484,23 @@ def _search_pool(search: _Search, capacity: PoolCapacity, method: PlannedMethod)
     attention = spec.strategy.attention or Attention.SDPA
     pinned_ckpt = spec.strategy.gradient_checkpointing
     checkpointing = [pinned_ckpt] if pinned_ckpt is not None else [False, True]
+    engines = [spec.strategy.engine] if spec.strategy.engine is not None else [Engine.FSDP2, Engine.DEEPSPEED]
     batch = spec.training.global_batch_size
     tried = False
-    for nodes, per_node in layouts(capacity, spec.resources.max_gpus, batch):
+    # Most GPUs first: their faster plans raise the bar (search.outpaced) for the slower ones early.
+    for nodes, per_node in reversed(list(layouts(capacity, spec.resources.max_gpus, batch))):
         per_gpu_batch = batch // (nodes * per_node)
         micro_batches = _micro_batches(spec, per_gpu_batch)
         if not micro_batches:
             continue
         tried = True
-        for precision in precisions:
+        for precision, engine in itertools.product(precisions, engines):
             fitted: dict[tuple[int, Offload, Offload, bool], int] = {}  # knobs -> largest micro-batch that fits
-            for stage, opt, params in _zero_options(search, method, precision, capacity, nodes * per_node):
+            options = search.zero_options(method, precision, capacity, nodes * per_node, engine)
+            for stage, opt, params in options:
                 for ckpt in checkpointing:
-                    variants = _technique_variants(spec, stage, ckpt)
-                    if not variants or _dominated(fitted, stage, opt, params, ckpt, micro_batches[0]):
+                    variants = search.technique_variants(stage, ckpt)
+                    if not variants or (fitted and _dominated(fitted, stage, opt, params, ckpt, micro_batches[0])):
                         continue
                     chunked, offloaded = variants[0]
                     plain = Strategy(
@@ -476,6 +509,7 @@ def _search_pool(search: _Search, capacity: PoolCapacity, method: PlannedMethod)
                         gradient_checkpointing=ckpt, micro_batch_size=1, gradient_accumulation_steps=1,
                         precision=precision, optimizer=spec.training.optimizer, attention=attention,
                         chunked_loss=chunked, activation_offloading=offloaded, master_weights=search.master_weights,
+                        engine=engine,
                     )  # fmt: skip
                     if search.outpaced(plain, micro_batches[0], capacity):
                         continue

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from memfit.api.gpupool import PoolCapacity
 from memfit.api.plan import PlanThroughput, Strategy
-from memfit.api.vocabulary import Method, Offload, Precision
+from memfit.api.vocabulary import Engine, Method, Offload, Precision
+from memfit.memory.fsdp2 import fsdp2_widths
 from memfit.memory.states import compute_bytes
 from memfit.model_shape import ModelShape
 
@@ -61,6 +62,8 @@ def _communication_seconds(
     n = strategy.gpus
     if n == 1:
         return 0.0
+    if strategy.engine == Engine.FSDP2:
+        return _fsdp2_communication_bytes(shape, strategy, trainable) / _collective_bandwidth(pool, strategy)
     ring = (n - 1) / n
     w = compute_bytes(strategy.precision)
     accumulation = strategy.gradient_accumulation_steps
@@ -74,7 +77,42 @@ def _communication_seconds(
     return (grads + gathers) / _collective_bandwidth(pool, strategy)
 
 
+def _fsdp2_gathers(strategy: Strategy) -> int:
+    """All-gathers of every parameter per micro-batch under FSDP2: forward, and backward again when
+    resharding after forward (zero stage 3). A checkpointed layer's recomputation runs inside its backward,
+    after its pre-backward unshard, so FSDPParamGroup.unshard finds it gathered: no third gather."""
+    return 2 if strategy.zero_stage == 3 else 1
+
+
+def _fsdp2_communication_bytes(shape: ModelShape, strategy: Strategy, trainable: int) -> float:
+    """Bytes each rank moves per optimizer step under FSDP2: every micro-batch all-gathers all parameters
+    (frozen ones too) in the gathered dtype and reduce-scatters the trained ones' gradients in
+    ``reduce_dtype`` (no ``no_sync``: gradients are reduced every micro-batch), each a ring's (n-1)/n."""
+    n = strategy.gpus
+    w = fsdp2_widths(strategy)
+    frozen = shape.parameter_count if strategy.method != Method.FULL else 0
+    per_micro = _fsdp2_gathers(strategy) * (trainable + frozen) * w.gathered + trainable * w.reduce
+    return (n - 1) / n * per_micro * strategy.gradient_accumulation_steps
+
+
+def _fsdp2_offload_seconds(shape: ModelShape, strategy: Strategy, pool: PoolCapacity, trainable: int) -> float:
+    """CPUOffloadPolicy: each all-gather copies the rank's parameter shards host-to-device, each reduced
+    gradient shard goes device-to-host, every micro-batch; the optimizer steps the shards on the CPU."""
+    n, per_node = strategy.gpus, strategy.gpus_per_node
+    w = fsdp2_widths(strategy)
+    frozen = shape.parameter_count if strategy.method != Method.FULL else 0
+    shard = (trainable * w.sharded_trained + frozen * w.sharded_frozen) / n
+    pcie = (_fsdp2_gathers(strategy) * shard + trainable * w.reduce / n) * strategy.gradient_accumulation_steps
+    return pcie / pool.pcie_bytes_per_second + trainable / n / (CPU_ADAM_PARAMS_PER_SECOND_PER_NODE / per_node)
+
+
 def _offload_seconds(shape: ModelShape, strategy: Strategy, pool: PoolCapacity, trainable: int) -> float:
+    if strategy.engine == Engine.FSDP2:
+        return (
+            _fsdp2_offload_seconds(shape, strategy, pool, trainable)
+            if strategy.offload_parameters != Offload.NONE
+            else 0.0
+        )
     n, per_node = strategy.gpus, strategy.gpus_per_node
     shard = trainable / n
     seconds = 0.0

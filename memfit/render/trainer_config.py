@@ -15,6 +15,7 @@ from pathlib import PurePosixPath
 
 from memfit.api.finetunejob import FineTuneJob
 from memfit.api.plan import PlanCandidate
+from memfit.api.vocabulary import Engine
 from memfit.contract.trainer_config import (
     MAX_PATH_LENGTH,
     DataConfig,
@@ -27,6 +28,7 @@ from memfit.contract.trainer_config import (
     VolumesConfig,
 )
 from memfit.render.deepspeed import deepspeed_config, default_learning_rate
+from memfit.render.fsdp2 import fsdp2_config
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,9 @@ def render_trainer_config(
             lora=LoraConfig.model_validate(spec.lora.model_dump()),
         ),
         output_dir=inside(mounts.output, spec.output.path),
-        deepspeed=deepspeed_config(spec, strategy),
+        engine=strategy.engine,
+        deepspeed=deepspeed_config(spec, strategy) if strategy.engine == Engine.DEEPSPEED else {},
+        fsdp2=fsdp2_config(strategy) if strategy.engine == Engine.FSDP2 else None,
         prediction=PredictionConfig(
             strategy=strategy.summary(),
             peak_allocated_bytes=memory.peak_allocated_bytes,

@@ -27,7 +27,7 @@ from memfit.api.base import API_VERSION, GROUP
 from memfit.api.finetunejob import FineTuneJob
 from memfit.api.gpupool import GPU_PRODUCT_LABEL, GPUPool, pool_capacity
 from memfit.api.plan import PlanCandidate
-from memfit.api.vocabulary import Offload
+from memfit.api.vocabulary import Engine, Offload
 from memfit.contract.trainer_config import MetricsConfig, TrainerConfig
 from memfit.render.deepspeed import NVME_PATH
 from memfit.render.trainer_config import POD_MOUNTS
@@ -225,15 +225,17 @@ def pod_trainer_config(trainer_config: TrainerConfig) -> TrainerConfig:
 
 
 def config_map(job: FineTuneJob, trainer_config: TrainerConfig, attempt: int) -> dict[str, Any]:
+    """The trainer config, and beside it (for people reading the ConfigMap) the DeepSpeed JSON it holds; the fsdp2
+    engine has none."""
     config = pod_trainer_config(trainer_config)
+    data = {CONFIG_FILE: config.to_json()}
+    if config.engine == Engine.DEEPSPEED:
+        data[DEEPSPEED_FILE] = json.dumps(config.deepspeed, indent=2) + "\n"
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _metadata(job, config_map_name(job, attempt), attempt),
-        "data": {
-            CONFIG_FILE: config.to_json(),
-            DEEPSPEED_FILE: json.dumps(config.deepspeed, indent=2) + "\n",
-        },
+        "data": data,
     }
 
 

@@ -471,5 +471,8 @@ def _replan_after_oom(
 
 
 def _layout(plan: PlanCandidate) -> str:
-    method, precision, stage, gpus, masters = checkpoint_layout(plan)
-    return f"{method} {precision} ZeRO-{stage} on {gpus} GPU(s){' with bf16 masters' if masters == 'bf16' else ''}"
+    layout = checkpoint_layout(plan)
+    masters = " with bf16 masters" if layout.master_weights == "bf16" else ""
+    if layout.engine == "fsdp2":
+        return f"{layout.method} {layout.precision} on fsdp2 (any GPU count){masters}"
+    return f"{layout.method} {layout.precision} ZeRO-{layout.zero_stage} on {layout.world_size} GPU(s){masters}"

@@ -60,12 +60,17 @@ def test_attempt_is_a_configmap_a_headless_service_and_a_pod_per_node(job, plann
     assert names == [f"llama-chat-a2-n{rank}" for rank in range(plan.strategy.nodes)]
 
 
-def test_configmap_holds_exactly_the_rendered_configs(job, planned) -> None:  # type: ignore[no-untyped-def]
-    plan, _ = planned
+@pytest.mark.parametrize("engine", ["deepspeed", "fsdp2"])
+def test_configmap_holds_exactly_the_rendered_configs(job, engine: str) -> None:  # type: ignore[no-untyped-def]
+    job, plan, _ = plan_for(job, engine=engine)
+    assert plan.strategy.engine == engine
     rendered = render_trainer_config(job, plan)
     data = objects.config_map(job, rendered, 1)["data"]
     config = json.loads(data[objects.CONFIG_FILE])
-    assert config["deepspeed"] == json.loads(data[objects.DEEPSPEED_FILE]) == rendered.deepspeed
+    if rendered.engine == "deepspeed":
+        assert config["deepspeed"] == json.loads(data[objects.DEEPSPEED_FILE]) == rendered.deepspeed
+    else:  # the fsdp2 engine has no DeepSpeed JSON
+        assert objects.DEEPSPEED_FILE not in data and config["deepspeed"] == {} and config["fsdp2"]
     assert config["metrics"] == {"port": objects.METRICS_PORT, "progressFile": objects.PROGRESS_FILE}
     assert config["terminationLog"] == "/dev/termination-log"
     assert "secret" not in json.dumps(config).lower()  # the token reaches the pod through the env only

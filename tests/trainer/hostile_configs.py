@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from memfit.cli.main import main as memfit_main
 
 ROOT = Path(__file__).parent.parent.parent
@@ -33,9 +35,12 @@ Maker = Callable[[Document, Path], bytes]
 
 
 def valid_document(directory: Path) -> Document:
-    """``memfit run examples/tiny/job.yaml --local --nproc 1 --dry-run`` in ``directory``: the config."""
+    """``memfit run examples/tiny/job.yaml --local --nproc 1 --dry-run`` in ``directory`` (on the DeepSpeed
+    engine): the config."""
     shutil.copytree(TINY / "data", directory / "data")
-    shutil.copy(TINY / "job.yaml", directory / "job.yaml")
+    job = yaml.safe_load((TINY / "job.yaml").read_text())
+    job["spec"].setdefault("strategy", {})["engine"] = "deepspeed"  # the cases edit its DeepSpeed section
+    (directory / "job.yaml").write_text(yaml.safe_dump(job))
     work = directory / "work"
     code = memfit_main(["run", str(directory / "job.yaml"), "--local", "--nproc", "1", "--dry-run",
                         "--workdir", str(work)])  # fmt: skip
@@ -393,6 +398,28 @@ HOSTILE: tuple[Hostile, ...] = (
     Hostile("token-env-not-a-name", setting("model.tokenEnv", "HF TOKEN"), "model.tokenEnv"),
     Hostile("all-linear-and-more", setting("training.lora.targetModules", ["all-linear", "q_proj"]), "all-linear"),
     Hostile("job-without-namespace", setting("job", "tiny"), "job"),
+    # --- the fsdp2 engine
+    Hostile("fsdp2-with-a-deepspeed-section", settings(engine="fsdp2", fsdp2={}), "takes no deepspeed section"),
+    Hostile("fsdp2-without-its-settings", settings(engine="fsdp2", deepspeed={}), "needs its fsdp2 settings"),
+    Hostile("fsdp2-settings-on-deepspeed", setting("fsdp2", {}), "engine is deepspeed"),
+    Hostile("unknown-engine", settings(engine="fsdp", deepspeed={}, fsdp2={}), "engine"),
+    Hostile(
+        "fsdp2-reshard-as-a-string",
+        settings(engine="fsdp2", deepspeed={}, fsdp2={"reshardAfterForward": "true"}),
+        "reshardAfterForward",
+    ),  # fmt: skip
+    Hostile("fsdp2-unknown-key", settings(engine="fsdp2", deepspeed={}, fsdp2={"shardDegree": 2}), "shardDegree"),
+    Hostile("fsdp2-fp16-reduce", settings(engine="fsdp2", deepspeed={}, fsdp2={"reduceDtype": "fp16"}), "reduceDtype"),
+    Hostile(
+        "fsdp2-qlora", settings(engine="fsdp2", deepspeed={}, fsdp2={}, training__method="qlora"), "deepspeed engine"
+    ),
+    Hostile(
+        "fsdp2-8bit-optimizer",
+        settings(engine="fsdp2", deepspeed={}, fsdp2={}, training__optimizer="adamw8bit"),
+        "deepspeed engine",
+    ),  # fmt: skip
+    Hostile("fsdp2-fp16", settings(engine="fsdp2", deepspeed={}, fsdp2={}, training__precision="fp16"), "loss scaling"),
+    Hostile("fsdp2-lion", settings(engine="fsdp2", deepspeed={}, fsdp2={}, training__optimizer="lion"), "lion"),
     # --- files that are not a config
     Hostile("not-utf8", constant(b'{"version": 1, "job": "default/t\xff\xfeny"}'), "not UTF-8"),
     Hostile("utf8-bom", lambda d, _: b"\xef\xbb\xbf" + encode(d), "not valid JSON"),

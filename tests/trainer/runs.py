@@ -18,6 +18,7 @@ from typing import Any
 from memfit.api.vocabulary import MasterWeights, Precision
 from memfit.contract.trainer_config import (
     DataConfig,
+    Fsdp2Config,
     LoraConfig,
     MetricsConfig,
     ModelConfig,
@@ -92,8 +93,26 @@ def make_config(
     world_size: int = WORLD_SIZE,
     chunked_loss: bool = False,
     master_weights: str = "fp32",
+    engine: str = "deepspeed",
+    reshard_after_forward: bool | None = None,
+    accumulation: int = 1,
+    activation_offloading: bool = False,
 ) -> TrainerConfig:
+    """A config of the tiny llama. ``engine="fsdp2"`` renders ``fsdp2`` settings instead of a DeepSpeed section:
+    resharded after the forward pass as ``stage`` 3 is (or as ``reshard_after_forward`` says), CPU offload
+    with ``offload``, gradients reduced in bf16 with bf16 masters (as memfit.render.fsdp2 renders them)."""
     data = data or write_corpus(tmp_path / "corpus.jsonl")
+    fsdp2 = None
+    deepspeed: dict[str, Any] = {}
+    if engine == "fsdp2":
+        fsdp2 = Fsdp2Config(
+            reshard_after_forward=stage == 3 if reshard_after_forward is None else reshard_after_forward,
+            cpu_offload=offload,
+            reduce_dtype=Precision.BF16 if master_weights == "bf16" else Precision.FP32,
+        )
+    else:
+        deepspeed = deepspeed_config(stage, offload=offload, optimizer=optimizer, learning_rate=learning_rate,
+                                     world_size=world_size, master_weights=master_weights)  # fmt: skip
     return TrainerConfig(
         job=f"test/{name}",
         model=ModelConfig(name_or_path="tiny-llama", random_init=True, architecture=TINY_LLAMA),
@@ -102,8 +121,8 @@ def make_config(
             method=method,
             sequence_length=SEQUENCE_LENGTH,
             micro_batch_size=MICRO_BATCH,
-            gradient_accumulation_steps=1,
-            global_batch_size=MICRO_BATCH * world_size,
+            gradient_accumulation_steps=accumulation,
+            global_batch_size=MICRO_BATCH * world_size * accumulation,
             max_steps=max_steps,
             learning_rate=learning_rate,
             warmup_ratio=0.1,
@@ -114,16 +133,13 @@ def make_config(
             lora=LoraConfig(rank=8, alpha=16, dropout=0.0),
             chunked_loss=chunked_loss,
             master_weights=master_weights,
+            gradient_checkpointing=activation_offloading,  # activation offloading needs it
+            activation_offloading=activation_offloading,
         ),
         output_dir=str(tmp_path / name / "output"),
-        deepspeed=deepspeed_config(
-            stage,
-            offload=offload,
-            optimizer=optimizer,
-            learning_rate=learning_rate,
-            world_size=world_size,
-            master_weights=master_weights,
-        ),
+        engine=engine,
+        deepspeed=deepspeed,
+        fsdp2=fsdp2,
         metrics=MetricsConfig(port=0, progress_file=str(tmp_path / name / "progress.json")),
         termination_log=str(tmp_path / name / "termination-log"),
     )

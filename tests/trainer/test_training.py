@@ -81,8 +81,11 @@ def test_qlora_with_8bit_client_optimizer_learns(tmp_path: Path) -> None:
     assert (output / "final" / "adapter_model.safetensors").is_file()
 
 
-def kill_after_first_checkpoint_and_resume(config_path: Path, checkpoints: Path, tmp_path: Path):
-    """Run until the first checkpoint (held there by a test hook), SIGKILL it, run again to the end."""
+def kill_after_first_checkpoint_and_resume(
+    config_path: Path, checkpoints: Path, tmp_path: Path, resume_config: Path | None = None, resume_nproc: int = 2
+):
+    """Run until the first checkpoint (held there by a test hook), SIGKILL it, run again to the end (with
+    ``resume_config`` on ``resume_nproc`` ranks where given: another world size)."""
     never = tmp_path / "never-released"
     process = subprocess.Popen(
         torchrun_command(config_path), env=trainer_env(**{HOLD_ENV: f"{RESUME_EVERY}:{never}"}),
@@ -98,7 +101,7 @@ def kill_after_first_checkpoint_and_resume(config_path: Path, checkpoints: Path,
     finally:
         process.wait()
     assert not (checkpoints.parent.parent / "final").exists(), "the run finished before it could be killed"
-    resumed = run_trainer(config_path)
+    resumed = run_trainer(resume_config or config_path, nproc=resume_nproc)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     resumed_from = re.search(r"resumed from checkpoint step (\d+)", resumed.stdout)
     assert resumed_from is not None and int(resumed_from.group(1)) == RESUME_EVERY, resumed.stdout

@@ -115,6 +115,23 @@ class DataPosition:
         return cls(epoch=int(data["epoch"]), micro_batch=int(data["microBatch"]))
 
 
+def carry_position(
+    position: DataPosition, blocks_per_step_then: int, blocks_per_step_now: int
+) -> tuple[DataPosition, int]:
+    """``position`` of a run whose global micro-step took ``blocks_per_step_then`` blocks (world size x
+    micro-batch size), in micro-steps of ``blocks_per_step_now``, and how many blocks that skips.
+
+    The epoch's block order depends on the seed and epoch only, so ``micro_batch x blocks_per_step`` blocks
+    of it were consumed whatever the world size: the position carries over exactly when that count divides
+    by the new step's blocks (e.g. 2 ranks to 1 with the same micro-batch size); otherwise it is rounded up
+    to the next whole step (the skipped blocks are not trained on in this epoch, none twice)."""
+    if blocks_per_step_then == blocks_per_step_now:
+        return position, 0
+    consumed = position.micro_batch * blocks_per_step_then
+    steps = -(-consumed // blocks_per_step_now)
+    return DataPosition(position.epoch, steps), steps * blocks_per_step_now - consumed
+
+
 # --- files -----------------------------------------------------------------------------------------
 
 

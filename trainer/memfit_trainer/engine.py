@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from memfit.api.vocabulary import EIGHT_BIT_OPTIMIZERS, Offload, Optimizer
+from memfit.api.vocabulary import EIGHT_BIT_OPTIMIZERS, Engine, Offload, Optimizer
 from memfit.contract.trainer_config import ConfigError, TrainerConfig, TrainingConfig, precision_section
 
 
@@ -102,7 +102,14 @@ def engine_config(config: TrainerConfig, client: bool) -> dict[str, Any]:
 
 
 def build_engine(config: TrainerConfig, model: torch.nn.Module, total_steps: int) -> tuple[Any, Any]:
-    """``(engine, lr_scheduler)`` for ``model``; the scheduler is stepped and checkpointed by the engine."""
+    """``(engine, lr_scheduler)`` for ``model``; the scheduler is stepped and checkpointed by the engine.
+
+    The one place the engine is chosen: DeepSpeed, or with ``engine: fsdp2``
+    :class:`memfit_trainer.fsdp2_engine.Fsdp2Engine`, which offers the same surface to the loop."""
+    if config.engine == Engine.FSDP2:
+        from memfit_trainer.fsdp2_engine import build_fsdp2_engine
+
+        return build_fsdp2_engine(config, model, total_steps)
     import deepspeed
     from torch.optim.lr_scheduler import LambdaLR
 

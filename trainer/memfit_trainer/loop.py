@@ -8,6 +8,12 @@ scheduler), the data position in the marker and each rank's RNG state. On start 
 checkpoint is loaded, so a restarted pod continues with exactly the batches and random numbers the
 uninterrupted run would have used.
 
+The engine is DeepSpeed's or, with ``engine: fsdp2``, :class:`~memfit_trainer.fsdp2_engine.Fsdp2Engine` (chosen
+in :func:`~memfit_trainer.engine.build_engine`), which offers the loop the same calls and writes
+``torch.distributed.checkpoint`` shards that load at any world size. The marker also records the world size
+and micro-batch size the data position counts in (``dataShape``): a checkpoint written at another world size
+resumes at the same place in the data (:func:`~memfit_trainer.data.carry_position`).
+
 Test hooks:
 
 * ``MEMFIT_TEST_INJECT_OOM_AT_STEP=N`` raises ``torch.OutOfMemoryError`` inside optimizer step N on every
@@ -34,7 +40,7 @@ from memfit_trainer.activation_offload import ActivationOffload, offload_activat
 from memfit_trainer.checkpoint import CheckpointManager, fsync_tree, load_rng_state, save_rng_state
 from memfit_trainer.chunked_loss import causal_lm_loss, select_kernel, unwrap_causal_lm
 from memfit_trainer.console import ConsoleProgress
-from memfit_trainer.data import DataPosition, DataSource, PackedBatches, build_batches
+from memfit_trainer.data import DataPosition, DataSource, PackedBatches, build_batches, carry_position
 from memfit_trainer.engine import build_engine, total_optimizer_steps
 from memfit_trainer.export import save_final
 from memfit_trainer.metrics import TrainerMetrics
@@ -112,13 +118,30 @@ def _check_layout(manager: CheckpointManager, step: int, layout: dict[str, Any])
         )
 
 
-def _resume(engine: Any, manager: CheckpointManager, step: int, ranks: Ranks, lora: bool) -> DataPosition:
+def _resume(
+    engine: Any, manager: CheckpointManager, step: int, ranks: Ranks, lora: bool, batches: PackedBatches
+) -> tuple[DataPosition, str]:
+    """Load the checkpoint of ``step``; the data position to go on from, and what to say about it."""
     checkpoint = next(c for c in manager.complete() if c.step == step)
     path, _ = engine.load_checkpoint(str(checkpoint.path), tag=CHECKPOINT_TAG, load_module_strict=not lora)
     if path is None:
-        raise RuntimeError(f"DeepSpeed found no state in checkpoint {checkpoint.path}")
+        raise RuntimeError(f"the engine found no state in checkpoint {checkpoint.path}")
     load_rng_state(checkpoint.path, ranks.rank)
-    return DataPosition.from_dict(checkpoint.data_position)
+    position = DataPosition.from_dict(checkpoint.data_position)
+    said = f"data position {position.to_dict()}"
+    shape = checkpoint.marker.get("dataShape")
+    if shape is None:
+        return position, said
+    # Written at another world size (the fsdp2 engine's checkpoints load at any): the same blocks consumed.
+    then = int(shape["worldSize"]) * int(shape["microBatchSize"])
+    position, skipped = carry_position(position, then, batches.blocks_per_step)
+    per_epoch = batches.micro_batches_per_epoch
+    if per_epoch is not None and position.micro_batch > per_epoch:
+        position = DataPosition(position.epoch + 1, 0)
+    if then != batches.blocks_per_step:
+        said += f" written at {shape['worldSize']} rank(s) x micro-batch {shape['microBatchSize']}, here "
+        said += f"{position.to_dict()} ({skipped} block(s) skipped)"
+    return position, said
 
 
 def _save_checkpoint(
@@ -130,6 +153,7 @@ def _save_checkpoint(
     keep: int,
     lora: bool,
     layout: dict[str, Any],
+    micro_batch_size: int,
 ) -> None:
     """The multi-rank protocol of :mod:`memfit_trainer.checkpoint` (collective)."""
     if ranks.rank == 0:
@@ -141,7 +165,8 @@ def _save_checkpoint(
     fsync_tree(tmp)
     dist.barrier()
     if ranks.rank == 0:
-        manager.commit(step, {"dataPosition": position.to_dict(), "layout": layout})
+        shape = {"worldSize": ranks.world_size, "microBatchSize": micro_batch_size}
+        manager.commit(step, {"dataPosition": position.to_dict(), "dataShape": shape, "layout": layout})
         manager.prune(keep)
     dist.barrier()
 
@@ -201,8 +226,8 @@ def train(config: TrainerConfig, ranks: Ranks, metrics: TrainerMetrics, guard: O
     progress = ConsoleProgress(total, enabled=ranks.rank == 0)
     position, step = DataPosition(), 0
     if resumed_from is not None:
-        position, step = _resume(engine, manager, resumed_from, ranks, lora), resumed_from
-        progress.message(f"resumed from checkpoint step {step} (data position {position.to_dict()})")
+        (position, said), step = _resume(engine, manager, resumed_from, ranks, lora, batches), resumed_from
+        progress.message(f"resumed from checkpoint step {step} ({said})")
     else:
         torch.manual_seed(training.seed + ranks.rank)  # dropout differs per rank, reproducibly
 
@@ -240,7 +265,8 @@ def train(config: TrainerConfig, ranks: Ranks, metrics: TrainerMetrics, guard: O
         progress.step(step, loss_value, learning_rate, tokens_per_rank * ranks.world_size)
         if step % training.checkpoint_every_steps == 0 or step == total:
             started = time.monotonic()
-            _save_checkpoint(engine, manager, step, position, ranks, training.keep_checkpoints, lora, layout)
+            _save_checkpoint(engine, manager, step, position, ranks, training.keep_checkpoints, lora, layout,
+                             training.micro_batch_size)  # fmt: skip
             metrics.checkpoint(step=step, seconds=time.monotonic() - started)
         _hold(step)
     if offload is not None:

@@ -15,6 +15,7 @@ import socket
 import sys
 from collections.abc import Sequence
 
+from memfit.api.vocabulary import Engine
 from memfit.contract.termination import DEFAULT_TERMINATION_LOG, report_config_error
 from memfit.contract.trainer_config import ConfigError, TrainerConfig, load_config
 
@@ -56,7 +57,11 @@ def run(config: TrainerConfig) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    if config.engine == Engine.FSDP2:
+        # CPU offload clips and checkpoints host tensors: gloo beside NCCL for those.
+        dist.init_process_group(backend="cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo")
+    else:
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     ranks = Ranks(rank=dist.get_rank(), local_rank=local_rank, world_size=dist.get_world_size())
     guard = OomGuard(
         planned_peak_bytes=config.prediction.peak_allocated_bytes if config.prediction else None,

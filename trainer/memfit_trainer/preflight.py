@@ -18,7 +18,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from memfit.api.vocabulary import EIGHT_BIT_OPTIMIZERS, Attention, Method, Offload, Optimizer, Precision
+from memfit.api.vocabulary import EIGHT_BIT_OPTIMIZERS, Attention, Engine, Method, Offload, Optimizer, Precision
 from memfit.contract.trainer_config import ConfigError, TrainerConfig
 
 BYTE_TOKENIZER_VOCAB = 258
@@ -102,6 +102,18 @@ def _offload_problems(deepspeed: Mapping[str, object]) -> list[str]:
     return problems
 
 
+def _fsdp2_problems(config: TrainerConfig) -> list[str]:
+    """What the fsdp2 engine (memfit_trainer.fsdp2_engine) does not run, beyond what the config refuses."""
+    if config.engine != Engine.FSDP2:
+        return []
+    training, problems = config.training, []
+    if training.precision == Precision.FP16:
+        problems.append("engine fsdp2 trains in bf16 or fp32: fp16 needs loss scaling, which it does not do")
+    if training.optimizer == Optimizer.LION:
+        problems.append("optimizer lion (bitsandbytes) runs on the deepspeed engine, not on fsdp2's sharded tensors")
+    return problems
+
+
 def check(config: TrainerConfig, environ: Mapping[str, str]) -> None:
     """Raise ConfigError naming every way ``config`` cannot run here."""
     training, data = config.training, config.data
@@ -139,6 +151,7 @@ def check(config: TrainerConfig, environ: Mapping[str, str]) -> None:
     if training.method == Method.QLORA and training.precision != Precision.BF16:
         problems.append("qlora computes in bf16: set training.precision to bf16")
     problems.extend(_offload_problems(config.deepspeed))
+    problems.extend(_fsdp2_problems(config))
     port = _metrics_port_problem(config, environ)
     if port:
         problems.append(port)

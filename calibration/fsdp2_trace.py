@@ -1,0 +1,165 @@
+"""MemTracker traces of FSDP2 (``fully_shard``) training steps on fake tensors and a fake process group.
+
+One rank (rank 0) of a ``world_size``-rank job runs the genuine ``transformers`` model wrapped as the
+trainer's FSDP2 engine wraps it (``fully_shard`` on every decoder layer, then on the root, whose group holds
+the embedding, the final norm and the LM head), under :class:`FakeTensorMode` with PyTorch's ``fake``
+process group (``torch.testing._internal.distributed.fake_pg``): collectives allocate their outputs as on a
+GPU and move no data. MemTracker counts every storage FSDP2 allocates (all-gather and reduce-scatter
+buffers, unsharded parameters and gradients, sharded gradients and optimizer states).
+
+Limits of the stand-in, said rather than hidden:
+
+* the fake tensors live on the CPU device, so ``CPUOffloadPolicy`` has no host to move to: offload is not
+  traced (its accounting is checked by ``tests/test_fsdp2_memory.py``);
+* there are no streams, so the order of allocations and frees is the program order, as the caching
+  allocator sees it on one stream; FSDP2 keeps its cross-stream buffers alive by references
+  (``all_gather_state``, ``reduce_scatter_states``), which the trace follows.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, Literal, cast
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+
+from calibration.memtrace import (
+    _build_model,
+    _categories,
+    _fake_run,
+    _fake_weights,
+    _optimizer,
+    _PhaseMemTracker,
+    _transient,
+    shape_fields,
+)
+from memfit.api.vocabulary import Attention, MasterWeights, Method, Precision
+from memfit.contract.trainer_config import Fsdp2Config
+from memfit.model_shape import ModelShape
+
+Trainable = Literal[Method.FULL, Method.LORA]
+
+
+def _init_fake_group(world_size: int) -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+
+
+def wrap_fsdp2(
+    model: torch.nn.Module, mesh: Any, masters: MasterWeights, reshard_after_forward: bool, method: Trainable
+) -> None:
+    """Shard ``model`` exactly as the trainer does (``memfit_trainer.fsdp2_engine.shard_model``): ``fully_shard``
+    every decoder layer, then the root; fp32 masters cast the trained parameters to fp32 (LoRA's frozen base
+    stays bf16) and gather bf16 copies, reducing in fp32; bf16 masters cast nothing and reduce in bf16."""
+    from memfit_trainer.fsdp2_engine import shard_model
+
+    fsdp2 = Fsdp2Config(
+        reshard_after_forward=reshard_after_forward,
+        reduce_dtype=Precision.FP32 if masters == MasterWeights.FP32 else Precision.BF16,
+    )
+    # shard_model reads these fields of the trainer config, and makes its mesh (which reads a tensor's
+    # values, impossible under FakeTensorMode: it gets the one made outside).
+    training = SimpleNamespace(precision=Precision.BF16, master_weights=masters, method=method)
+    config = SimpleNamespace(fsdp2=fsdp2, training=training)
+    with mock.patch("torch.distributed.device_mesh.init_device_mesh", lambda *_, **__: mesh):
+        shard_model(cast(Any, config), model, torch.device("cpu"))
+
+
+def trace_fsdp2_step(
+    shape: ModelShape,
+    *,
+    world_size: int,
+    micro_batch: int,
+    seq_len: int,
+    masters: MasterWeights = MasterWeights.FP32,
+    reshard_after_forward: bool = True,
+    gradient_checkpointing: bool = False,
+    trainable: Trainable = Method.FULL,
+    lora_rank: int = 16,
+    lora_targets: tuple[str, ...] = ("all-linear",),
+    lora_dropout: float = 0.05,
+    steps: int = 2,
+) -> dict[str, Any]:
+    """Run ``steps`` FSDP2 training steps of rank 0 on fake tensors; measure the last with MemTracker.
+
+    Returns the settings, ``peak_total`` (bytes), ``peak_phase`` and per phase (``forward`` with the loss,
+    ``backward``, ``optimizer``) the breakdown at its peak and at its end, as ``trace_training_step`` does."""
+    settings: dict[str, Any] = {
+        "world_size": world_size,
+        "micro_batch": micro_batch,
+        "seq_len": seq_len,
+        "masters": masters,
+        "reshard_after_forward": reshard_after_forward,
+        "gradient_checkpointing": gradient_checkpointing,
+        "trainable": trainable,
+        "lora_rank": lora_rank if trainable == Method.LORA else None,
+        "lora_targets": list(lora_targets) if trainable == Method.LORA else None,
+        "lora_dropout": lora_dropout if trainable == Method.LORA else None,
+    }
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _init_fake_group(world_size)
+    try:
+        mesh = init_device_mesh("cpu", (world_size,))  # outside FakeTensorMode: it reads a tensor's values
+        start, phases = _traced_step(shape, mesh, settings, steps, micro_batch, seq_len)
+    finally:
+        dist.destroy_process_group()  # the fake group must not outlive the trace (other tests start their own)
+    peak_phase = max(phases, key=lambda name: phases[name]["peak"]["total"])
+    return {
+        "shape": shape_fields(shape),
+        "settings": settings,
+        "versions": {"torch": torch.__version__},
+        "peak_total": phases[peak_phase]["peak"]["total"],
+        "peak_phase": peak_phase,
+        "activation_bytes": _transient(phases[peak_phase]["peak"]),
+        "start": start,
+        "phases": phases,
+    }
+
+
+def _traced_step(
+    shape: ModelShape, mesh: Any, settings: dict[str, Any], steps: int, micro_batch: int, seq_len: int
+) -> tuple[dict[str, int], dict[str, dict[str, dict[str, int]]]]:
+    trainable, masters = settings["trainable"], settings["masters"]
+    lora_rank, lora_targets = settings["lora_rank"], tuple(settings["lora_targets"] or ())
+    model = _build_model(
+        shape, Precision.BF16, Attention.SDPA, settings["gradient_checkpointing"], trainable, lora_rank or 0,
+        lora_targets, settings["lora_dropout"] or 0.0,
+    )  # fmt: skip
+    with _fake_run("implicit"):
+        _fake_weights(model)
+        if trainable == Method.LORA:  # the trainer casts adapters to the compute dtype
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.data = p.data.bfloat16()
+        wrap_fsdp2(model, mesh, masters, settings["reshard_after_forward"], trainable)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = _optimizer(params, "foreach")
+        input_ids = torch.randint(0, shape.vocab_size, (micro_batch, seq_len))
+
+        def forward() -> torch.Tensor:
+            return cast(torch.Tensor, model(input_ids=input_ids, labels=input_ids).loss)
+
+        for _ in range(steps - 1):
+            forward().backward()  # type: ignore[no-untyped-call]
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        tracker = _PhaseMemTracker()
+        tracker.track_external(model, opt)
+        phases: dict[str, dict[str, dict[str, int]]] = {}
+        with tracker:
+            start = _categories(tracker.get_tracker_snapshot())
+            tracker.phase_summary()
+            loss = forward()
+            phases["forward"] = tracker.phase_summary()
+            loss.backward()  # type: ignore[no-untyped-call]
+            del loss
+            phases["backward"] = tracker.phase_summary()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            phases["optimizer"] = tracker.phase_summary()
+    return start, phases

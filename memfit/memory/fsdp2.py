@@ -1,0 +1,283 @@
+"""Model states and the step's transient buffers per GPU under PyTorch FSDP2 (``fully_shard``).
+
+The trainer's FSDP2 engine shards every decoder layer as one parameter group and the root (embedding,
+final norm, LM head) as another; each rank keeps 1/N of every parameter, gradient and optimizer state
+(``FSDPParam`` pads dim 0 of each tensor to a multiple of N; the padding, under N rows per tensor, is left
+out here). Notation, per rank of N: R the root group's parameters (embedding + final norm + untied
+head), Λ one decoder layer's (with LoRA: its frozen base and its adapters), T the trained ones, and
+
+========================  ==========================  ===========================  =====================
+bytes per element         fp32 masters                bf16 masters                 fp32 training
+========================  ==========================  ===========================  =====================
+sharded parameter s       4 (trained), 2 (frozen)     2                            4
+sharded gradient          4 (``reduce_output``)       2                            4
+Adam states               2 x 4                       2 x 2                        2 x 4
+gathered parameter c      2 (``param_dtype`` bf16)    2                            4
+unsharded gradient        2 (autograd, bf16)          2                            4
+reduce-scatter buffer r   4 (``reduce_dtype`` fp32)   2                            4
+========================  ==========================  ===========================  =====================
+
+So full fine-tuning holds 16/N bytes per parameter with fp32 masters (4 weight + 4 gradient + 8 Adam), 8/N
+with bf16 masters, plus the working set below. What torch allocates, by file of
+``torch/distributed/fsdp/_fully_shard``:
+
+* ``_fsdp_collectives.foreach_all_gather``: one flat ``all_gather_output`` of c x group bytes per group
+  gathered; ``foreach_all_gather_copy_out`` then copies it into each parameter's own unsharded tensor
+  (``FSDPParam.alloc_all_gather_outputs``, c x group again). In forward the flat output is kept in
+  ``comm_ctx.all_gather_state`` until the next group's copy-out (overlap of the next all-gather); in
+  backward a group's pre-backward prefetches the group before it (``_backward_prefetch``), whose flat
+  output waits in ``_all_gather_result`` until that group runs. So a layer being computed costs 2 x c x Λ.
+* the root group is gathered through the whole forward (the model's forward is the root module's) and
+  again from the loss to the end of the backward (its pre-backward hook is on the loss): c x R always;
+* ``reshard_after_forward=False`` (zero stage 2): a layer's unsharded parameters stay from its forward
+  to its backward: at the loss every layer's c x Λ is alive;
+* ``FSDPParamGroup.post_backward`` reshards the group, then ``foreach_reduce`` allocates the
+  reduce-scatter input (r x group, ``reduce_scatter_comm.allocate``), copies the unsharded gradients into
+  it (``chunk_cat``) and frees them, then the output (r x group / N) becomes the sharded gradient
+  (``as_strided`` views of it; cast to the parameter dtype when that differs, never here). The input is
+  kept in ``comm_ctx.reduce_scatter_states`` until the next group's post-backward (one in flight,
+  ``reduce_scatter_max_input_buffers``), and the last one until the root's final callback;
+* the LM head's unsharded gradient (c x V x h) exists from the loss's backward until the root's
+  post-backward at the very end, when the embedding's joins it (tied: is added to it).
+
+The backward's worst moments (:func:`fsdp2_moments`): its start (loss buffers), the last layer's backward
+(head gradient, the layer's own gradients, the prefetched layer), the first layer's (every other layer's
+sharded gradient and the second layer's reduce-scatter input) and the root's reduce-scatter at the end
+(every layer's sharded gradient, the root's unsharded gradients and its r x R input buffer: for Llama 3.1
+8B with fp32 reduction 2 + 4 bytes x 1.05B = 6.3 GB).
+
+``CPUOffloadPolicy`` (offload = cpu) keeps the sharded parameters, gradients and optimizer states in
+pinned host memory and steps the optimizer there: the GPU keeps only what is gathered, the unsharded
+gradients and the reduce-scatter buffers (each group's sharded gradient is copied to the host as soon as
+it is reduced); the host holds every sharded state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memfit.api.plan import Strategy
+from memfit.api.vocabulary import Engine, MasterWeights, Method, Offload, Precision
+from memfit.memory.activations import LOSS_BYTES_PER_LOGIT, ActivationEstimate
+from memfit.memory.states import (
+    BF16,
+    ELEMENTWISE_STATES,
+    FP32,
+    ModelStates,
+    compute_bytes,
+    optimizer_state_bytes,
+    trainable_split,
+)
+from memfit.model_shape import ModelShape
+
+
+def is_fsdp2(strategy: Strategy) -> bool:
+    return strategy.engine == Engine.FSDP2
+
+
+@dataclass(frozen=True, slots=True)
+class Fsdp2Widths:
+    """Bytes per element of each FSDP2 tensor kind for one strategy (the module docstring's table)."""
+
+    sharded_trained: int
+    """A trained parameter's shard (the parameter's own dtype: what ``fully_shard`` was given)."""
+    sharded_frozen: int
+    """A frozen parameter's shard (LoRA's base stays in the compute dtype)."""
+    gathered: int
+    """An all-gathered parameter (``MixedPrecisionPolicy.param_dtype``) and its autograd gradient."""
+    reduce: int
+    """The reduce-scatter buffers (``reduce_dtype``) and so the sharded gradient."""
+
+
+def fsdp2_widths(strategy: Strategy) -> Fsdp2Widths:
+    c = compute_bytes(strategy.precision)
+    fp32 = strategy.precision == Precision.FP32
+    bf16_masters = strategy.master_weights == MasterWeights.BF16 and not fp32
+    trained = BF16 if bf16_masters else FP32
+    return Fsdp2Widths(sharded_trained=trained, sharded_frozen=c, gathered=c, reduce=trained)
+
+
+@dataclass(frozen=True, slots=True)
+class Fsdp2Groups:
+    """Elements of the two kinds of parameter group ``fully_shard`` makes."""
+
+    root: int
+    """Embedding, final norm and (untied) LM head: gathered whole."""
+    root_trained: int
+    layer: int
+    """One decoder layer, frozen base included."""
+    layer_trained: int
+    head: int
+    """The LM head's weight (the embedding's when tied), whose gradient is made first in backward."""
+    layers: int
+
+
+def fsdp2_groups(shape: ModelShape, method: Method, lora_rank: int, lora_targets: tuple[str, ...]) -> Fsdp2Groups:
+    root = (
+        shape.embedding_parameters + shape.hidden_size + (0 if shape.tie_word_embeddings else shape.lm_head_parameters)
+    )
+    layer = shape.layer_parameters
+    if method == Method.FULL:
+        return Fsdp2Groups(root, root, layer, layer, shape.vocab_size * shape.hidden_size, shape.num_layers)
+    adapters = shape.lora_parameters(lora_rank, lora_targets) // shape.num_layers
+    return Fsdp2Groups(root, 0, layer + adapters, adapters, 0, shape.num_layers)
+
+
+@dataclass(frozen=True, slots=True)
+class Fsdp2Moment:
+    """What one GPU holds at one moment of the forward/backward beyond the resident sharded states."""
+
+    parameters: int
+    """Gathered (unsharded) parameters and all-gather buffers."""
+    gradients: int
+    """Sharded gradients made so far, unsharded gradients and reduce-scatter buffers."""
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.activations
+
+
+@dataclass(frozen=True, slots=True)
+class Fsdp2Step:
+    """FSDP2's buffers of one strategy, in bytes, that do not depend on the micro-batch; :meth:`moments`
+    adds one micro-batch's activations (module docstring)."""
+
+    root: int
+    """The root group gathered (``c x R``)."""
+    layer: int
+    """One decoder layer gathered (``c x Λ``): its unsharded parameters, or its flat all-gather output."""
+    layers: int
+    reshard_after_forward: bool
+    head_gradient: int
+    """The LM head's unsharded gradient (full fine-tuning)."""
+    layer_gradient: int
+    """One layer's unsharded gradients."""
+    layer_reduce_input: int
+    """One layer's reduce-scatter input (``r x Λ`` trained)."""
+    layer_sharded_gradient: int
+    """One layer's sharded gradient on the GPU (0 under offload)."""
+    root_sharded_gradient: int
+    root_gradient: int
+    """The root's unsharded gradients, complete when the embedding's backward is done."""
+    tied_sum: int
+    """Tied embeddings: the embedding's gradient and its sum with the head's, before autograd drops the
+    head's (the shared unsharded parameter's ``.grad`` is accumulated out of place)."""
+    root_reduce_input: int
+    """The root's reduce-scatter input (``r x R`` trained)."""
+    logit_tokens_per_between: float
+    """Vocabulary entries per byte of ``ActivationEstimate.kept_between_layers`` (a layer input, t x h x w):
+    turns it back into the t x V logits of the micro-batch."""
+    forward_loss_bytes_per_logit: int
+    """The forward's cross-entropy: the 16-bit logits, their fp32 upcast and log-softmax output."""
+    chunked_loss: bool
+
+    def moments(self, activations: ActivationEstimate, grads_persist: bool) -> tuple[Fsdp2Moment, ...]:
+        """The forward's loss, the root's re-gather at the backward's first hook (resharding), the backward's
+        start, the last layer's backward, the first layer's and the root's reduce-scatter at its end."""
+        a = activations
+        logits = round(a.kept_between_layers * self.logit_tokens_per_between)
+        layers_sharded = self.layers * self.layer_sharded_gradient
+        all_sharded = layers_sharded + self.root_sharded_gradient
+
+        def done(layers: int) -> int:
+            return all_sharded if grads_persist else layers * self.layer_sharded_gradient
+
+        kept = self.layers * self.layer if not self.reshard_after_forward else 0
+        # transformers' loss: logits.float() and log_softmax in forward; at the backward's first hook only the
+        # saved fp32 log-softmax is left of it (its two fp32 gradients come with the loss's backward).
+        loss_gradients = 2 * FP32 * logits
+        if self.chunked_loss:  # not traced under FSDP2: the backward-start moment, an upper bound
+            forward_loss = hook = a.loss_moment
+        else:
+            forward_loss = a.loss_moment - LOSS_BYTES_PER_LOGIT * logits + self.forward_loss_bytes_per_logit * logits
+            hook = a.loss_moment - loss_gradients
+        moments = [
+            # The loss is computed inside the root's forward: the last layer's flat all-gather output is
+            # still in all_gather_state (freed by the root's post-forward).
+            Fsdp2Moment(self.root + self.layer + kept, done(0), forward_loss),
+            # The backward's start: resharding, the root's pre-backward re-gathers it (flat output + copy).
+            Fsdp2Moment(2 * self.root if self.reshard_after_forward else self.root + kept, done(0), hook),
+            # Then it prefetches the last layer (its flat output) and the loss's gradients appear.
+            Fsdp2Moment(self.root + (kept if kept else self.layer), done(0), a.loss_moment),
+            # Last layer's backward: the root, the layer, the one before prefetched (or every layer still
+            # gathered), the head's gradient and the layer's own.
+            Fsdp2Moment(
+                self.root + (kept if kept else 2 * self.layer),
+                done(0) + self.head_gradient + self.layer_gradient,
+                a.layer_moment,
+            ),
+            # First layer's backward: the second layer's reduce-scatter input is still held.
+            Fsdp2Moment(
+                self.root + self.layer,
+                done(self.layers - 1) + self.head_gradient + self.layer_gradient + self.layer_reduce_input,
+                a.first_layer_moment,
+            ),
+            # The embedding's backward done: the root still gathered, all its gradients (tied: added up), the
+            # first layer's reduce-scatter input still held.
+            Fsdp2Moment(
+                self.root,
+                done(self.layers) + self.layer_reduce_input + self.root_gradient + self.tied_sum,
+                a.backward_end,
+            ),
+            # The root's post-backward: resharded, its gradients copied into its reduce-scatter input (the
+            # first layer's is released just before).
+            Fsdp2Moment(0, done(self.layers) + self.root_gradient + self.root_reduce_input, a.backward_end),
+        ]
+        return tuple(moments)
+
+
+def fsdp2_step(shape: ModelShape, strategy: Strategy, lora_rank: int, lora_targets: tuple[str, ...]) -> Fsdp2Step:
+    """The buffers of :class:`Fsdp2Step` for ``strategy`` (module docstring for the torch code)."""
+    g = fsdp2_groups(shape, strategy.method, lora_rank, lora_targets)
+    w = fsdp2_widths(strategy)
+    n = strategy.gpus
+    c, r = w.gathered, w.reduce
+    sharded = 0 if strategy.offload_parameters != Offload.NONE else r  # under offload it goes to the host
+    return Fsdp2Step(
+        root=c * g.root,
+        layer=c * g.layer,
+        layers=g.layers,
+        reshard_after_forward=strategy.zero_stage == 3,
+        head_gradient=c * g.head,
+        layer_gradient=c * g.layer_trained,
+        layer_reduce_input=r * g.layer_trained,
+        layer_sharded_gradient=sharded * g.layer_trained // n,
+        root_sharded_gradient=sharded * g.root_trained // n,
+        root_gradient=c * g.root_trained,
+        tied_sum=2 * c * g.head if shape.tie_word_embeddings else 0,
+        root_reduce_input=r * g.root_trained,
+        logit_tokens_per_between=shape.vocab_size / (shape.hidden_size * c),
+        forward_loss_bytes_per_logit=c + FP32 + (FP32 if c != FP32 else 0),
+        chunked_loss=strategy.chunked_loss,
+    )
+
+
+def fsdp2_model_states(
+    shape: ModelShape, strategy: Strategy, lora_rank: int, lora_targets: tuple[str, ...]
+) -> ModelStates:
+    """One rank's sharded parameters, gradients (all of them, as in the optimizer step) and optimizer states;
+    with ``CPUOffloadPolicy`` all three on the host. The gathered working set is in :func:`fsdp2_moments`."""
+    split = trainable_split(shape, strategy.method, lora_rank, lora_targets)
+    w = fsdp2_widths(strategy)
+    n = strategy.gpus
+    frozen = split.frozen_unquantized + split.frozen_quantized
+    weights = (frozen * w.sharded_frozen + split.trainable * w.sharded_trained) / n
+    grads = split.trainable * w.reduce / n
+    if strategy.optimizer in ELEMENTWISE_STATES:  # zeros_like(sharded param): the shard's dtype
+        optimizer = split.trainable * ELEMENTWISE_STATES[strategy.optimizer] * w.sharded_trained / n
+    else:  # per tensor on its local shard (Adafactor); bitsandbytes is refused on fsdp2
+        states = optimizer_state_bytes(
+            shape, strategy.method, lora_rank, lora_targets, strategy.optimizer, w.sharded_trained, None
+        )
+        optimizer = (states.device + states.paged) / n
+    if strategy.offload_parameters != Offload.NONE:
+        return ModelStates(0, 0, 0, 0, cpu_per_rank=int(weights + grads + optimizer), nvme_per_rank=0)
+    return ModelStates(
+        parameters=int(weights),
+        gradients=int(grads),
+        step_gradients=0,
+        optimizer_states=int(optimizer),
+        cpu_per_rank=0,
+        nvme_per_rank=0,
+    )

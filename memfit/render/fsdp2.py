@@ -1,0 +1,26 @@
+"""The FSDP2 engine's settings of a plan (what the trainer passes to ``fully_shard``); no DeepSpeed JSON."""
+
+from __future__ import annotations
+
+from memfit.api.plan import Strategy, strategy_conflicts
+from memfit.api.vocabulary import Engine, MasterWeights, Offload, Precision
+from memfit.contract.trainer_config import Fsdp2Config
+
+
+def fsdp2_config(strategy: Strategy) -> Fsdp2Config:
+    """ZeRO-3 reshards each layer's parameters after its forward, ZeRO-2 keeps them gathered until the
+    backward; offload is CPUOffloadPolicy; gradients are reduced in fp32 with fp32 masters, else in bf16."""
+    s = strategy
+    assert s.engine == Engine.FSDP2
+    conflicts = strategy_conflicts(s.method, s.precision, s.zero_stage, s.offload_optimizer, s.offload_parameters,
+                                   s.optimizer, s.chunked_loss, gradient_checkpointing=s.gradient_checkpointing,
+                                   activation_offloading=s.activation_offloading, master_weights=s.master_weights,
+                                   engine=s.engine)  # fmt: skip
+    if conflicts:
+        raise ValueError(f"strategy {s.summary()!r} cannot run as planned: " + "; ".join(conflicts))
+    pure_bf16 = s.master_weights == MasterWeights.BF16 or s.precision == Precision.FP32
+    return Fsdp2Config(
+        reshard_after_forward=s.zero_stage == 3,
+        cpu_offload=s.offload_parameters == Offload.CPU,
+        reduce_dtype=Precision.BF16 if pure_bf16 and s.precision == Precision.BF16 else Precision.FP32,
+    )

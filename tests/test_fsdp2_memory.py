@@ -1,0 +1,153 @@
+"""The FSDP2 engine's memory and throughput accounting (memfit/memory/fsdp2.py), term by term."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from memfit.api.gpupool import PoolCapacity
+from memfit.api.plan import Strategy
+from memfit.api.vocabulary import Attention, Engine, MasterWeights, Method, Offload, Optimizer, Precision
+from memfit.catalog.models import MODEL_PRESETS
+from memfit.memory.activations import estimate_activations
+from memfit.memory.estimate import LoraSettings, activation_setup, peak_memory, static_memory
+from memfit.memory.fsdp2 import fsdp2_groups, fsdp2_step
+from memfit.memory.states import model_states
+from memfit.planner import throughput
+
+SHAPE = MODEL_PRESETS["llama-2-7b"]
+P = SHAPE.parameter_count
+LORA = LoraSettings(16, ("all-linear",), True)
+
+
+def fsdp2(gpus: int = 8, stage: int = 3, offload: Offload = Offload.NONE, **kw: object) -> Strategy:
+    fields: dict[str, object] = dict(
+        method=Method.FULL, pool="p", nodes=1, gpus_per_node=gpus, zero_stage=stage, offload_optimizer=offload,
+        offload_parameters=offload, gradient_checkpointing=False, micro_batch_size=1, gradient_accumulation_steps=1,
+        precision=Precision.BF16, optimizer=Optimizer.ADAMW, attention=Attention.SDPA, engine=Engine.FSDP2,
+    )  # fmt: skip
+    fields.update(kw)
+    return Strategy(**fields)  # type: ignore[arg-type]
+
+
+def states(strategy: Strategy):  # type: ignore[no-untyped-def]
+    return model_states(SHAPE, strategy, LORA.rank, LORA.targets)
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 8, 64])
+def test_full_fine_tuning_holds_sixteen_bytes_per_parameter_over_the_ranks(gpus: int) -> None:
+    s = states(fsdp2(gpus))
+    assert s.parameters == int(4 * P / gpus)  # fp32 shards
+    assert s.gradients == int(4 * P / gpus)  # fp32 reduce-scatter output
+    assert s.optimizer_states == int(8 * P / gpus)  # exp_avg, exp_avg_sq like the fp32 shard
+    assert s.step_gradients == 0 and s.cpu_per_rank == 0
+
+
+def test_bf16_masters_halve_every_sharded_state() -> None:
+    fp32, bf16 = states(fsdp2()), states(fsdp2(master_weights=MasterWeights.BF16))
+    assert bf16.parameters == int(2 * P / 8) and bf16.gradients == int(2 * P / 8)
+    assert bf16.optimizer_states == int(4 * P / 8) == fp32.optimizer_states // 2
+
+
+def test_lora_shards_the_bf16_base_and_the_adapters() -> None:
+    s = states(fsdp2(method=Method.LORA))
+    adapters = SHAPE.lora_parameters(LORA.rank, LORA.targets)
+    assert s.parameters == int((2 * P + 4 * adapters) / 8)
+    assert s.gradients == int(4 * adapters / 8) and s.optimizer_states == int(8 * adapters / 8)
+
+
+def test_the_deepspeed_path_is_untouched() -> None:
+    deepspeed = dataclasses.replace(fsdp2(), engine=Engine.DEEPSPEED)
+    assert states(deepspeed) != states(fsdp2())
+    assert states(deepspeed).parameters > states(fsdp2()).parameters // 2  # zero3: 2P/N + working set
+
+
+def test_cpu_offload_moves_every_sharded_state_to_the_host() -> None:
+    on_gpu, offloaded = states(fsdp2()), states(fsdp2(offload=Offload.CPU))
+    assert (offloaded.parameters, offloaded.gradients, offloaded.optimizer_states) == (0, 0, 0)
+    assert offloaded.cpu_per_rank == on_gpu.parameters + on_gpu.gradients + on_gpu.optimizer_states
+    step = fsdp2_step(SHAPE, fsdp2(offload=Offload.CPU), LORA.rank, LORA.targets)
+    assert step.layer_sharded_gradient == step.root_sharded_gradient == 0  # copied to the host when reduced
+    assert step.root == fsdp2_step(SHAPE, fsdp2(), LORA.rank, LORA.targets).root  # still gathered on the GPU
+    static = static_memory(SHAPE, fsdp2(offload=Offload.CPU), LORA)
+    assert static.cpu_per_node >= 8 * offloaded.cpu_per_rank
+
+
+def _peak(strategy: Strategy, seq: int = 2048) -> tuple[int, int]:
+    static = static_memory(SHAPE, strategy, LORA)
+    acts = estimate_activations(SHAPE, activation_setup(SHAPE, strategy, seq, LORA))
+    memory = peak_memory(static, acts, strategy.gradient_accumulation_steps)
+    assert memory.phases is not None
+    return memory.per_gpu.peak_allocated_bytes, memory.phases.forward_backward.parameters
+
+
+def test_keeping_parameters_gathered_holds_every_layer_at_the_loss() -> None:
+    groups = fsdp2_groups(SHAPE, Method.FULL, LORA.rank, LORA.targets)
+    keep, reshard = fsdp2_step(SHAPE, fsdp2(stage=2), 16, LORA.targets), fsdp2_step(SHAPE, fsdp2(), 16, LORA.targets)
+    assert keep.layer == reshard.layer == 2 * groups.layer
+    acts = estimate_activations(SHAPE, activation_setup(SHAPE, fsdp2(), 2048, LORA))
+    at_loss_keep, at_loss_reshard = keep.moments(acts, False)[0], reshard.moments(acts, False)[0]
+    assert at_loss_keep.parameters - at_loss_reshard.parameters == SHAPE.num_layers * 2 * groups.layer
+    assert _peak(fsdp2(stage=2))[0] > _peak(fsdp2())[0]
+
+
+def test_the_root_group_is_the_embedding_the_final_norm_and_the_head() -> None:
+    g = fsdp2_groups(SHAPE, Method.FULL, 16, LORA.targets)
+    assert g.root == 2 * SHAPE.vocab_size * SHAPE.hidden_size + SHAPE.hidden_size
+    assert g.root + SHAPE.num_layers * g.layer == P
+    lora = fsdp2_groups(SHAPE, Method.LORA, 16, LORA.targets)
+    assert lora.root_trained == 0 and lora.layers * lora.layer_trained == SHAPE.lora_parameters(16, LORA.targets)
+
+
+def test_the_roots_reduce_scatter_is_counted_at_the_end_of_the_backward() -> None:
+    """fp32 reduction: the root's bf16 gradients and their fp32 reduce-scatter input, 6 bytes per root
+    parameter, on top of every layer's sharded gradient."""
+    step = fsdp2_step(SHAPE, fsdp2(), 16, LORA.targets)
+    g = fsdp2_groups(SHAPE, Method.FULL, 16, LORA.targets)
+    acts = estimate_activations(SHAPE, activation_setup(SHAPE, fsdp2(), 1, LORA))
+    end = step.moments(acts, False)[-1]
+    assert end.gradients == 6 * g.root + SHAPE.num_layers * (4 * g.layer // 8)
+
+
+def test_gradient_accumulation_keeps_every_sharded_gradient() -> None:
+    one, four = _peak(fsdp2())[0], _peak(fsdp2(gradient_accumulation_steps=4))[0]
+    assert four > one
+
+
+def test_fsdp2_has_no_deepspeed_buckets_and_phases_add_up() -> None:
+    static = static_memory(SHAPE, fsdp2(), LORA)
+    assert static.communication_buffers == 0 and static.fsdp2 is not None
+    acts = estimate_activations(SHAPE, activation_setup(SHAPE, fsdp2(), 2048, LORA))
+    memory = peak_memory(static, acts, 1)
+    from memfit.memory.estimate import step_total
+
+    assert step_total(static, acts, 1) == memory.per_gpu.total
+
+
+POOL = PoolCapacity(
+    name="p", product="a100", gpu_memory_bytes=80 * 2**30, gpus_per_node=8, nodes=1,
+    cpu_memory_bytes_per_node=2**40, nvme_bytes_per_node=0, nvme_bytes_per_second=3e9, bf16=True,
+    peak_flops_bf16=312e12, peak_flops_fp16=312e12, intra_node_bytes_per_second=300e9,
+    inter_node_bytes_per_second=25e9, pcie_bytes_per_second=25e9,
+)  # fmt: skip
+
+
+def test_fsdp2_communication_volume() -> None:
+    """Per micro-batch: bf16 all-gathers of every parameter (forward, and backward when resharding; none for
+    the recomputation, which runs with the layer gathered) and an fp32 reduce-scatter of the gradients."""
+    ring = 7 / 8
+    reshard = throughput._fsdp2_communication_bytes(SHAPE, fsdp2(gradient_checkpointing=True), P)
+    assert reshard == pytest.approx(ring * (2 * 2 * P + 4 * P))
+    keep = throughput._fsdp2_communication_bytes(SHAPE, fsdp2(stage=2, gradient_accumulation_steps=2), P)
+    assert keep == pytest.approx(2 * ring * (2 * P + 4 * P))
+    bf16 = throughput._fsdp2_communication_bytes(SHAPE, fsdp2(master_weights=MasterWeights.BF16), P)
+    assert bf16 == pytest.approx(ring * (2 * 2 * P + 2 * P))
+
+
+def test_fsdp2_offload_costs_pcie_and_the_cpu_optimizer() -> None:
+    on_gpu = throughput.step_seconds(SHAPE, fsdp2(), POOL, 2048, P)
+    offloaded = throughput.step_seconds(SHAPE, fsdp2(offload=Offload.CPU), POOL, 2048, P)
+    pcie = (2 * 4 * P / 8 + 4 * P / 8) / POOL.pcie_bytes_per_second
+    cpu_adam = P / 8 / (throughput.CPU_ADAM_PARAMS_PER_SECOND_PER_NODE / 8)
+    assert offloaded - on_gpu == pytest.approx(pcie + cpu_adam)

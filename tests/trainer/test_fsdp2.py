@@ -1,0 +1,157 @@
+"""``engine: fsdp2`` end to end: memfit-train under torchrun (2 CPU ranks, gloo) shards the tiny llama with
+``fully_shard`` and checkpoints with ``torch.distributed.checkpoint``.
+
+Full fine-tuning learns with the parameters resharded after the forward pass (zeroStage 3), with CPU
+offload, and kept gathered (zeroStage 2) with the chunked loss, all to the same losses (sharding and offload
+do not change the arithmetic); LoRA learns and saves only its adapter; bf16 masters keep bf16 parameters
+and optimizer states. A run killed after its first checkpoint ends exactly where the uninterrupted one ends,
+and one checkpointed at 2 ranks resumes at 1 rank at the same step and the same place in the data.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
+
+from tests.trainer.runs import TINY_LLAMA, logged_losses, make_config, write_config
+from tests.trainer.test_training import RESUME_EVERY, assert_learned, kill_after_first_checkpoint_and_resume, train_ok
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 16
+FULL = dict(engine="fsdp2", method="full", stage=3, offload=False, max_steps=STEPS, checkpoint_every=RESUME_EVERY)
+LAYOUT = {"engine": "fsdp2", "method": "full", "precision": "bf16", "worldSize": 0, "zeroStage": 0}
+
+
+def dcp_dtypes(checkpoint: Path) -> dict[str, torch.dtype]:
+    """Tensor name -> dtype, from the DCP metadata of a step directory."""
+    metadata = FileSystemReader(str(checkpoint / "dcp")).read_metadata().state_dict_metadata
+    return {name: entry.properties.dtype for name, entry in metadata.items() if hasattr(entry, "properties")}
+
+
+def marker(output: Path, layout: str, step: int) -> dict[str, Any]:
+    result: dict[str, Any] = json.loads((output / "checkpoints" / layout / f"step-{step:06d}" / "COMPLETE").read_text())
+    return result
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, float], str]:
+    """Full fine-tuning resharded after the forward pass: the reference of the other full runs."""
+    return train_ok(tmp_path_factory.mktemp("fsdp2-full"), **FULL)
+
+
+def test_full_finetuning_learns_and_checkpoints_fp32_masters(full_run: tuple[Path, dict[int, float], str]) -> None:
+    output, losses, _ = full_run
+    assert_learned(losses, STEPS, margin=1.0)
+    weights = load_file(output / "final" / "model.safetensors")
+    assert "lm_head.weight" in weights and {t.dtype for t in weights.values()} == {torch.bfloat16}
+    checkpoints = output / "checkpoints" / "full-bf16-fsdp2"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000012", "step-000016"]
+    written = marker(output, "full-bf16-fsdp2", STEPS)
+    assert written["layout"] == LAYOUT
+    assert written["dataShape"] == {"worldSize": 2, "microBatchSize": 2}
+    dtypes = dcp_dtypes(checkpoints / "step-000016")
+    params = {n: d for n, d in dtypes.items() if n.startswith("model.")}
+    moments = {n: d for n, d in dtypes.items() if n.endswith((".exp_avg", ".exp_avg_sq"))}
+    assert "model.lm_head.weight" in params and len(moments) == 2 * len(params)
+    assert set(params.values()) == set(moments.values()) == {torch.float32}  # fp32 masters and states
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(offload=True), dict(stage=2, chunked_loss=True), dict(activation_offloading=True)],
+    ids=["zero3-cpu-offload", "zero2-chunked-loss", "zero3-activation-offloading"],
+)
+def test_offload_and_zero2_with_chunked_loss_compute_the_same_losses(
+    tmp_path: Path, full_run: tuple[Path, dict[int, float], str], options: dict[str, Any]
+) -> None:
+    """CPU offload moves where the sharded states live, reshard_after_forward False when parameters are
+    gathered, the chunked loss how the head's logits are formed, activation offloading (with gradient
+    checkpointing) where the layers' inputs wait: the losses stay the reference's."""
+    _, reference, _ = full_run
+    _, losses, stdout = train_ok(tmp_path, **{**FULL, **options})
+    assert_learned(losses, STEPS, margin=1.0)
+    assert all(abs(losses[s] - reference[s]) < 0.02 for s in (1, STEPS)), (losses, reference)
+    if options.get("chunked_loss"):
+        assert "loss: chunked cross-entropy (pytorch)" in stdout
+    if options.get("activation_offloading"):
+        assert f"the saved inputs of {TINY_LLAMA.num_layers} checkpointed layers wait in cpu memory" in stdout
+
+
+@pytest.mark.parametrize("stage", [2, 3], ids=["zero2", "zero3-cpu-offload"])
+def test_lora_learns_and_saves_only_the_adapter(tmp_path: Path, stage: int) -> None:
+    output, losses, _ = train_ok(
+        tmp_path, engine="fsdp2", method="lora", stage=stage, offload=stage == 3, learning_rate=1e-2,
+        max_steps=8, checkpoint_every=4,
+    )  # fmt: skip
+    assert_learned(losses, 8, margin=0.2)
+    adapter = load_file(output / "final" / "adapter_model.safetensors")
+    assert adapter and all("lora_" in name for name in adapter)
+    assert not (output / "final" / "model.safetensors").exists()
+    dtypes = dcp_dtypes(output / "checkpoints" / "lora-bf16-fsdp2" / "step-000008")
+    params = {n: d for n, d in dtypes.items() if n.startswith("model.")}
+    assert params and all("lora_" in n for n in params)  # the frozen base is not in the checkpoint
+    assert set(params.values()) == {torch.float32}  # fp32 masters of the adapters
+
+
+def test_bf16_masters_keep_bf16_parameters_and_optimizer_states(tmp_path: Path) -> None:
+    output, losses, _ = train_ok(tmp_path, **{**FULL, "stage": 2, "max_steps": 8, "master_weights": "bf16"})
+    assert_learned(losses, 8, margin=0.5)
+    weights = load_file(output / "final" / "model.safetensors")
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+    dtypes = dcp_dtypes(output / "checkpoints" / "full-bf16-fsdp2-bf16masters" / "step-000008")
+    states = {d for n, d in dtypes.items() if n.startswith("model.") or n.endswith((".exp_avg", ".exp_avg_sq"))}
+    assert states == {torch.bfloat16}
+    assert marker(output, "full-bf16-fsdp2-bf16masters", 8)["layout"] == {**LAYOUT, "masterWeights": "bf16"}
+
+
+def test_killed_run_resumes_to_the_uninterrupted_result(
+    tmp_path: Path, full_run: tuple[Path, dict[int, float], str]
+) -> None:
+    reference_output, reference_losses, _ = full_run
+    config = make_config(tmp_path, **FULL)
+    resumed = kill_after_first_checkpoint_and_resume(
+        write_config(config, tmp_path / "config.json"), config.checkpoint_dir, tmp_path
+    )
+    assert logged_losses(resumed.stdout)[STEPS] == reference_losses[STEPS]
+    weights = load_file(Path(config.output_dir) / "final" / "model.safetensors")
+    expected = load_file(reference_output / "final" / "model.safetensors")
+    assert weights.keys() == expected.keys()
+    assert all(torch.equal(weights[name], expected[name]) for name in expected)
+
+
+def test_checkpoint_of_two_ranks_resumes_on_one_at_the_same_step_and_data(
+    tmp_path: Path, full_run: tuple[Path, dict[int, float], str]
+) -> None:
+    """Killed after step 4 at 2 ranks x micro-batch 2 (16 blocks consumed: data position 4), resumed at 1 rank
+    with 2 accumulated micro-batches (the same global batch): position 8 of 2-block steps, the same blocks
+    from there on, so it ends with the reference's data position and (up to reduction order) its loss."""
+    reference_output, reference_losses, _ = full_run
+    two = make_config(tmp_path, **FULL)
+    one = make_config(tmp_path, **FULL, world_size=1, accumulation=2)
+    assert one.checkpoint_dir == two.checkpoint_dir  # fsdp2's layout names no world size
+    resumed = kill_after_first_checkpoint_and_resume(
+        write_config(two, tmp_path / "two.json"), two.checkpoint_dir, tmp_path,
+        resume_config=write_config(one, tmp_path / "one.json"), resume_nproc=1,
+    )  # fmt: skip
+    said = re.search(r"resumed from checkpoint step 4 \(data position (.*)\)$", resumed.stdout, re.MULTILINE)
+    assert said is not None, resumed.stdout
+    assert said.group(1) == (
+        "{'epoch': 0, 'microBatch': 4} written at 2 rank(s) x micro-batch 2, here {'epoch': 0, 'microBatch': 8} "
+        "(0 block(s) skipped)"
+    )
+    final = marker(Path(one.output_dir), "full-bf16-fsdp2", STEPS)
+    reference = marker(reference_output, "full-bf16-fsdp2", STEPS)
+    assert final["dataShape"] == {"worldSize": 1, "microBatchSize": 2}
+    assert reference["dataPosition"] == {"epoch": 0, "microBatch": STEPS}  # 16 steps x 4 blocks
+    assert final["dataPosition"] == {"epoch": 0, "microBatch": 2 * STEPS}  # 32 micro-steps x 2 blocks
+    losses = logged_losses(resumed.stdout)
+    assert STEPS in losses
+    assert abs(losses[STEPS] - reference_losses[STEPS]) < 0.02, (losses, reference_losses)

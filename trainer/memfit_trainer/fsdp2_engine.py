@@ -1,0 +1,238 @@
+"""The FSDP2 engine (``engine: fsdp2``): PyTorch's ``fully_shard`` with the surface the loop uses of DeepSpeed's.
+
+Wrapping (:func:`shard_model`), in this order, over one 1-D device mesh of all ranks:
+
+* every decoder layer (the model's ``_no_split_modules`` classes, e.g. ``LlamaDecoderLayer``) gets
+  ``fully_shard(layer, mesh=mesh, reshard_after_forward=fsdp2.reshardAfterForward, mp_policy=...,
+  offload_policy=...)``, then the root (the peft model for LoRA, else the causal LM) the same call: it owns
+  what is left (embedding, final norm, LM head). With fp32 master weights each layer is cast to fp32 just
+  before its ``fully_shard`` (the trainable parameters only for LoRA: the frozen base stays in the compute
+  dtype), so the build's peak is the 16-bit model plus one fp32 layer;
+* mixed precision (training.precision bf16, fp32 masters): ``MixedPrecisionPolicy(param_dtype=bf16,
+  reduce_dtype=fsdp2.reduceDtype)``: the sharded parameters, their gradients and AdamW's two states are fp32;
+  each layer's parameters are all-gathered in bf16 for its forward (and again for its backward when
+  resharded after the forward), its gradients reduce-scattered in ``reduceDtype`` into fp32 sharded
+  gradients. Pure bf16 (``masterWeights: bf16``) or fp32 precision: the parameters themselves are in the
+  compute dtype, no cast (``param_dtype=None``), gradients and optimizer states in that dtype too;
+* ``CPUOffloadPolicy`` with ``fsdp2.cpuOffload``: sharded parameters, gradients and optimizer states in
+  (pinned) host memory, the optimizer step and the clipping on the CPU; each layer's parameters are copied
+  to the device for the all-gather.
+
+Gradient accumulation: each micro-batch's loss is divided by ``gradientAccumulationSteps`` (as DeepSpeed's
+``backward`` does) and its gradients are reduce-scattered into the sharded gradients at once (no unsharded
+accumulation); at the boundary the gradient norm is clipped to ``training.maxGradNorm``
+(``torch.nn.utils.clip_grad_norm_`` on the sharded DTensor gradients), the optimizer (``client_optimizer``:
+AdamW unless configured otherwise) steps, the gradients are freed and the warmup-cosine schedule steps.
+
+Checkpoints (:meth:`Fsdp2Engine.save_checkpoint`) are ``torch.distributed.checkpoint`` directories (``dcp``
+inside the step directory): the model's sharded state (trainable parameters only for LoRA), the optimizer's
+(keyed by parameter name) and the LR scheduler's, which load into any world size and sharding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.optim.lr_scheduler import LambdaLR
+
+from memfit.api.vocabulary import MasterWeights, Method, Precision
+from memfit.contract.trainer_config import ConfigError, Fsdp2Config, TrainerConfig
+from memfit_trainer.engine import client_optimizer, warmup_cosine
+from memfit_trainer.model import DTYPES
+
+DCP_DIRECTORY = "dcp"
+"""The ``torch.distributed.checkpoint`` directory inside a checkpoint's step directory."""
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks: the modules of the classes ``transformers`` never splits across devices
+    (``_no_split_modules``), in model order."""
+    get_base = getattr(model, "get_base_model", None)  # peft
+    base = get_base() if callable(get_base) else model
+    classes = set(getattr(base, "_no_split_modules", None) or ())
+    # By class name along the MRO: fully_shard swaps a module's class for an FSDP subclass of it.
+    layers = [m for m in model.modules() if any(c.__name__ in classes for c in type(m).__mro__)]
+    if not layers:
+        raise ConfigError(f"engine fsdp2 finds no decoder layers ({sorted(classes)}) in {type(base).__name__}")
+    return layers
+
+
+def fp32_masters(config: TrainerConfig) -> bool:
+    """Whether the sharded parameters are fp32 masters of bf16 compute (mixed precision)."""
+    training = config.training
+    return training.precision == Precision.BF16 and training.master_weights == MasterWeights.FP32
+
+
+def mixed_precision(config: TrainerConfig, fsdp2: Fsdp2Config) -> Any:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if fp32_masters(config) else None, reduce_dtype=DTYPES[fsdp2.reduce_dtype]
+    )
+
+
+def _cast_for_sharding(module: torch.nn.Module, dtype: torch.dtype, trainable_only: bool) -> None:
+    for param in module.parameters():
+        if param.is_floating_point() and param.dtype != dtype and (param.requires_grad or not trainable_only):
+            param.data = param.data.to(dtype)
+
+
+def shard_model(config: TrainerConfig, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``fully_shard`` every decoder layer, then the root (see the module docstring); returns the model."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    fsdp2 = config.fsdp2
+    assert fsdp2 is not None  # TrainerConfig requires it on the fsdp2 engine
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if fsdp2.cpu_offload else OffloadPolicy()
+    options: dict[str, Any] = {
+        "mesh": mesh,
+        "reshard_after_forward": fsdp2.reshard_after_forward,
+        "mp_policy": mixed_precision(config, fsdp2),
+        "offload_policy": offload,
+    }
+    masters = fp32_masters(config)
+    lora = config.training.method == Method.LORA
+    for layer in decoder_layers(model):
+        if masters:
+            _cast_for_sharding(layer, torch.float32, trainable_only=lora)
+        fully_shard(layer, **options)
+    if masters:
+        _cast_for_sharding(model, torch.float32, trainable_only=lora)
+    fully_shard(model, **options)
+    return model
+
+
+class Fsdp2Engine:
+    """What the loop, the chunked loss, activation offloading and the export use of a DeepSpeed engine:
+    ``engine(**batch)``, ``backward``, ``step`` (an optimizer step at each accumulation boundary),
+    ``module``, ``device``, ``save_checkpoint``/``load_checkpoint`` (DeepSpeed's keywords; the tag names
+    nothing here) and :meth:`consolidated_state_dict` for the final export."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: LambdaLR,
+        *,
+        device: torch.device,
+        accumulation: int,
+        max_grad_norm: float,
+        lora: bool,
+        export_dtype: torch.dtype,
+    ) -> None:
+        self.module = module
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.device = device
+        self.accumulation = accumulation
+        self.max_grad_norm = max_grad_norm
+        self.lora = lora
+        self.export_dtype = export_dtype
+        self.micro_steps = 0
+        self.last_grad_norm: float | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def trainable(self) -> Iterator[torch.nn.Parameter]:
+        return (p for p in self.module.parameters() if p.requires_grad)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss / self.accumulation).backward()  # type: ignore[no-untyped-call]  # Tensor.backward is untyped
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.accumulation == 0
+
+    def step(self) -> None:
+        """After each micro-batch's backward: at the accumulation boundary clip, step, zero, schedule."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        norm = torch.nn.utils.clip_grad_norm_(list(self.trainable()), self.max_grad_norm)
+        full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        self.last_grad_norm = float(full)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.lr_scheduler.step()
+
+    # --- checkpoints ---------------------------------------------------------------------------------
+
+    def _options(self) -> StateDictOptions:
+        return StateDictOptions(ignore_frozen_params=self.lora, strict=not self.lora)
+
+    def _state(self) -> dict[str, Any]:
+        model, optimizer = get_state_dict(self.module, self.optimizer, options=self._options())
+        return {"model": model, "optimizer": optimizer, "scheduler": self.lr_scheduler.state_dict()}
+
+    def save_checkpoint(self, save_dir: str, **_: Any) -> None:
+        """Collective: every rank writes its shards into ``save_dir/dcp`` (DeepSpeed's keyword arguments
+        ``tag``, ``save_latest``, ``exclude_frozen_parameters`` are accepted and decided here: the frozen base
+        of LoRA is never saved)."""
+        from torch.distributed.checkpoint.state_dict_saver import save
+
+        save(self._state(), checkpoint_id=str(Path(save_dir) / DCP_DIRECTORY))
+
+    def load_checkpoint(self, load_dir: str, **_: Any) -> tuple[str | None, dict[str, Any]]:
+        """Collective: load ``load_dir/dcp`` into this run's sharding (any world size); DeepSpeed's return
+        shape, ``(path or None, client state)``."""
+        from torch.distributed.checkpoint.state_dict_loader import load
+
+        path = Path(load_dir) / DCP_DIRECTORY
+        if not (path / ".metadata").is_file():
+            return None, {}
+        state = self._state()
+        load(state, checkpoint_id=str(path))
+        set_state_dict(
+            self.module,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=self._options(),
+        )
+        self.lr_scheduler.load_state_dict(state["scheduler"])
+        return str(path), {}
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: the full (unsharded) state dict on rank 0's host, in the compute dtype (the trainable
+        parameters only for LoRA); an empty dict on the other ranks. Gathered one parameter at a time."""
+        full: dict[str, Any] = get_model_state_dict(
+            self.module,
+            options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.lora),
+        )
+        return {
+            name: value.to(self.export_dtype) if value.is_floating_point() else value for name, value in full.items()
+        }
+
+
+def build_fsdp2_engine(config: TrainerConfig, model: torch.nn.Module, total_steps: int) -> tuple[Fsdp2Engine, Any]:
+    """``(engine, lr_scheduler)``: the model sharded, the optimizer over its sharded trainable parameters."""
+    training = config.training
+    local_rank = torch.cuda.current_device() if torch.cuda.is_available() else None
+    device = torch.device("cuda", local_rank) if local_rank is not None else torch.device("cpu")
+    sharded = shard_model(config, model, device)
+    optimizer = client_optimizer(training, [p for p in sharded.parameters() if p.requires_grad])
+    scheduler = LambdaLR(optimizer, warmup_cosine(total_steps, training.warmup_ratio))
+    engine = Fsdp2Engine(
+        sharded,
+        optimizer,
+        scheduler,
+        device=device,
+        accumulation=training.gradient_accumulation_steps,
+        max_grad_norm=training.max_grad_norm,
+        lora=training.method == Method.LORA,
+        export_dtype=DTYPES[training.precision],
+    )
+    return engine, scheduler
