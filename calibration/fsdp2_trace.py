@@ -27,13 +27,12 @@ import torch.distributed as dist
 
 from calibration.memtrace import (
     _build_model,
-    _categories,
     _fake_run,
     _fake_weights,
     _optimizer,
-    _PhaseMemTracker,
     _transient,
     shape_fields,
+    tracked_training_steps,
 )
 from memfit.api.vocabulary import Attention, MasterWeights, Method, Precision
 from memfit.contract.trainer_config import Fsdp2Config
@@ -143,23 +142,4 @@ def _traced_step(
         def forward() -> torch.Tensor:
             return cast(torch.Tensor, model(input_ids=input_ids, labels=input_ids).loss)
 
-        for _ in range(steps - 1):
-            forward().backward()  # type: ignore[no-untyped-call]
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        tracker = _PhaseMemTracker()
-        tracker.track_external(model, opt)
-        phases: dict[str, dict[str, dict[str, int]]] = {}
-        with tracker:
-            start = _categories(tracker.get_tracker_snapshot())
-            tracker.phase_summary()
-            loss = forward()
-            phases["forward"] = tracker.phase_summary()
-            loss.backward()  # type: ignore[no-untyped-call]
-            del loss
-            phases["backward"] = tracker.phase_summary()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            phases["optimizer"] = tracker.phase_summary()
-    return start, phases
+        return tracked_training_steps(model, opt, forward, steps)

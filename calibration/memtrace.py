@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, cast
 
 import torch
@@ -265,6 +265,35 @@ def _optimizer(params: list[torch.nn.Parameter], impl: OptimizerImpl) -> torch.o
     return torch.optim.AdamW(params, lr=1e-4, foreach=impl == "foreach", fused=True if impl == "fused" else None)
 
 
+def tracked_training_steps(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, forward: Callable[[], torch.Tensor], steps: int
+) -> tuple[dict[str, int], dict[str, dict[str, dict[str, int]]]]:
+    """Run ``steps`` training steps (forward, backward, optimizer step) and measure the last with MemTracker:
+    the memory at its start by category, and per phase (``forward`` with the loss, ``backward``,
+    ``optimizer``) the breakdown at its peak and at its end."""
+    # (Tensor.backward is unannotated in torch.)
+    for _ in range(steps - 1):
+        forward().backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    tracker = _PhaseMemTracker()
+    tracker.track_external(model, opt)
+    phases: dict[str, dict[str, dict[str, int]]] = {}
+    with tracker:
+        start = _categories(tracker.get_tracker_snapshot())
+        tracker.phase_summary()
+        loss = forward()
+        phases["forward"] = tracker.phase_summary()
+        loss.backward()  # type: ignore[no-untyped-call]
+        del loss
+        phases["backward"] = tracker.phase_summary()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        phases["optimizer"] = tracker.phase_summary()
+    return start, phases
+
+
 def trace_training_step(
     shape: ModelShape,
     *,
@@ -342,26 +371,7 @@ def trace_training_step(
                 return causal_lm_loss(model, unwrap_causal_lm(model), {"input_ids": input_ids, "labels": input_ids})
             return cast(torch.Tensor, model(input_ids=input_ids, labels=input_ids).loss)
 
-        # (Tensor.backward is unannotated in torch.)
-        for _ in range(steps - 1):
-            forward().backward()  # type: ignore[no-untyped-call]
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        tracker = _PhaseMemTracker()
-        tracker.track_external(model, opt)
-        phases: dict[str, dict[str, dict[str, int]]] = {}
-        with tracker:
-            start = _categories(tracker.get_tracker_snapshot())
-            tracker.phase_summary()
-            loss = forward()
-            phases["forward"] = tracker.phase_summary()
-            loss.backward()  # type: ignore[no-untyped-call]
-            del loss
-            phases["backward"] = tracker.phase_summary()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            phases["optimizer"] = tracker.phase_summary()
+        start, phases = tracked_training_steps(model, opt, forward, steps)
 
     peak_phase = max(phases, key=lambda name: phases[name]["peak"]["total"])
     at_peak = phases[peak_phase]["peak"]
