@@ -180,6 +180,19 @@ def run_trainer(config_path: Path, timeout: float = 300, nproc: int = WORLD_SIZE
     )
 
 
+def assert_same_final_weights(
+    output_dir: str | Path, reference_dir: str | Path, weights: str = "model.safetensors"
+) -> None:
+    """Two runs ended with bit-identical final weights (or adapter, ``weights``)."""
+    import torch
+    from safetensors.torch import load_file
+
+    final = load_file(Path(output_dir) / "final" / weights)
+    expected = load_file(Path(reference_dir) / "final" / weights)
+    assert final.keys() == expected.keys()
+    assert all(torch.equal(final[name], expected[name]) for name in expected)
+
+
 def logged_losses(stdout: str) -> dict[int, float]:
     """Step -> loss from rank 0's progress lines."""
     return {int(m.group(1)): float(m.group(3)) for m in STEP_LINE.finditer(stdout)}

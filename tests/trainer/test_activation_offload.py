@@ -11,14 +11,13 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from memfit.contract.trainer_config import TrainerConfig
 from memfit.model_shape import ModelFamily, ModelShape
 from memfit_trainer.activation_offload import CHECKPOINT_FUNCTION, ActivationOffload, offload_activations
 from memfit_trainer.chunked_loss import causal_lm_loss, unwrap_causal_lm
 from memfit_trainer.hf_config import transformers_config
-from tests.trainer.runs import logged_losses, make_config, run_trainer, write_config
+from tests.trainer.runs import assert_same_final_weights, logged_losses, make_config, run_trainer, write_config
 
 LAYERS = 4
 TINY = {
@@ -212,7 +211,4 @@ def test_offloading_run_learns_and_resumes_from_its_checkpoint(tmp_path: Path, m
     resumed = kill_after_first_checkpoint_and_resume(config_path, config.checkpoint_dir, tmp_path)
     assert logged_losses(resumed.stdout)[steps] == reference_losses[steps]
     weights = "model.safetensors" if method == "full" else "adapter_model.safetensors"
-    final = load_file(Path(config.output_dir) / "final" / weights)
-    expected = load_file(Path(reference.output_dir) / "final" / weights)
-    assert final.keys() == expected.keys()
-    assert all(torch.equal(final[name], expected[name]) for name in expected)
+    assert_same_final_weights(config.output_dir, reference.output_dir, weights)

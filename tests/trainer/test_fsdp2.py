@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
-from tests.trainer.runs import TINY_LLAMA, logged_losses, make_config, write_config
+from tests.trainer.runs import TINY_LLAMA, assert_same_final_weights, logged_losses, make_config, write_config
 from tests.trainer.test_training import RESUME_EVERY, assert_learned, kill_after_first_checkpoint_and_resume, train_ok
 
 pytestmark = pytest.mark.distributed
@@ -121,10 +121,7 @@ def test_killed_run_resumes_to_the_uninterrupted_result(
         write_config(config, tmp_path / "config.json"), config.checkpoint_dir, tmp_path
     )
     assert logged_losses(resumed.stdout)[STEPS] == reference_losses[STEPS]
-    weights = load_file(Path(config.output_dir) / "final" / "model.safetensors")
-    expected = load_file(reference_output / "final" / "model.safetensors")
-    assert weights.keys() == expected.keys()
-    assert all(torch.equal(weights[name], expected[name]) for name in expected)
+    assert_same_final_weights(config.output_dir, reference_output)
 
 
 def test_checkpoint_of_two_ranks_resumes_on_one_at_the_same_step_and_data(

@@ -20,7 +20,15 @@ import torch
 from safetensors.torch import load_file
 
 from memfit_trainer.loop import HOLD_ENV
-from tests.trainer.runs import logged_losses, make_config, run_trainer, torchrun_command, trainer_env, write_config
+from tests.trainer.runs import (
+    assert_same_final_weights,
+    logged_losses,
+    make_config,
+    run_trainer,
+    torchrun_command,
+    trainer_env,
+    write_config,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -123,10 +131,7 @@ def test_chunked_loss_learns_and_resumes_from_its_checkpoint(tmp_path: Path) -> 
     config_path = write_config(config, tmp_path / "killed" / "config.json")
     resumed = kill_after_first_checkpoint_and_resume(config_path, config.checkpoint_dir, tmp_path)
     assert logged_losses(resumed.stdout)[16] == reference_losses[16]
-    weights = load_file(Path(config.output_dir) / "final" / "model.safetensors")
-    expected = load_file(reference_output / "final" / "model.safetensors")
-    assert weights.keys() == expected.keys()
-    assert all(torch.equal(weights[name], expected[name]) for name in expected)
+    assert_same_final_weights(config.output_dir, reference_output)
 
 
 def test_killed_run_resumes_from_its_last_checkpoint(
