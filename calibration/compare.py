@@ -63,6 +63,7 @@ def activation_estimate(record: dict[str, Any]) -> ActivationEstimate:
         adapter_bytes=4,  # traced with plain peft, which keeps adapters in fp32
         chunked_loss=settings.get("chunked_loss", False),
         activation_offloading=settings.get("activation_offloading", False),
+        masked_batches=settings.get("causal_mask") == "explicit",
     )
     return estimate_activations(shape, setup)
 

@@ -11,6 +11,9 @@ Limits of the stand-in, said rather than hidden:
 
 * the fake tensors live on the CPU device, so ``CPUOffloadPolicy`` has no host to move to: offload is not
   traced (its accounting is checked by ``tests/test_fsdp2_memory.py``);
+* with ``optimizer_in_backward`` each parameter's AdamW is stepped by the trainer's own hooks
+  (``memfit_trainer.optimizer_in_backward.step_in_backward``) inside FSDP2's reduce, so the traced
+  backward holds the steps' temporaries and each group's reduce output until its parameters have stepped;
 * there are no streams, so the order of allocations and frees is the program order, as the caching
   allocator sees it on one stream; FSDP2 keeps its cross-stream buffers alive by references
   (``all_gather_state``, ``reduce_scatter_states``), which the trace follows.
@@ -80,6 +83,7 @@ def trace_fsdp2_step(
     lora_rank: int = 16,
     lora_targets: tuple[str, ...] = ("all-linear",),
     lora_dropout: float = 0.05,
+    optimizer_in_backward: bool = False,
     steps: int = 2,
 ) -> dict[str, Any]:
     """Run ``steps`` FSDP2 training steps of rank 0 on fake tensors; measure the last with MemTracker.
@@ -97,6 +101,7 @@ def trace_fsdp2_step(
         "lora_rank": lora_rank if trainable == Method.LORA else None,
         "lora_targets": list(lora_targets) if trainable == Method.LORA else None,
         "lora_dropout": lora_dropout if trainable == Method.LORA else None,
+        "optimizer_in_backward": optimizer_in_backward,
     }
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -136,10 +141,31 @@ def _traced_step(
                     p.data = p.data.bfloat16()
         wrap_fsdp2(model, mesh, masters, settings["reshard_after_forward"], trainable)
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = _optimizer(params, "foreach")
+        opt = _optimizer(params, "foreach") if not settings["optimizer_in_backward"] else _SteppedInBackward(params)
         input_ids = torch.randint(0, shape.vocab_size, (micro_batch, seq_len))
 
         def forward() -> torch.Tensor:
             return cast(torch.Tensor, model(input_ids=input_ids, labels=input_ids).loss)
 
         return tracked_training_steps(model, opt, forward, steps)
+
+
+class _SteppedInBackward(torch.optim.Optimizer):
+    """The trainer's per-parameter AdamW optimizers, stepped by their hooks in the backward pass, as the one
+    optimizer ``tracked_training_steps`` takes: MemTracker tracks their states; its ``step`` and
+    ``zero_grad`` have nothing left to do."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:  # no super().__init__: it owns no parameter
+        from memfit_trainer.optimizer_in_backward import step_in_backward
+
+        self.optimizers = step_in_backward(params, lambda group: _optimizer(group, "foreach"))
+
+    @property
+    def state(self) -> dict[Any, Any]:  # type: ignore[override]  # a view of the per-parameter states, as they fill
+        return {param: state for optimizer in self.optimizers for param, state in optimizer.state.items()}
+
+    def step(self, closure: None = None) -> None:  # type: ignore[override]  # never given a closure
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None

@@ -18,15 +18,21 @@ the CPU path differs from a GPU run, the trace says so rather than pretending:
 * activation offloading (``memfit_trainer.activation_offload``, the trainer's own hooks) copies to the
   ``meta`` device, the trace's stand-in for host memory: those bytes leave the traced device, as they
   leave a GPU, and are reported apart (``HOST``).
+
+The traced batch is ``plain`` (one unpadded sequence per row, the committed grid's) or the trainer's own
+(``memfit_trainer.data.model_inputs``): ``packed`` documents with restarting ``position_ids``, or ``padded``
+rows of one document each with an ``attention_mask``; both make ``transformers`` build a ``(b, 1, s, s)`` mask.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, cast
 
+import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
@@ -38,7 +44,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 from memfit.api.vocabulary import Attention, Method, Optimizer, Precision
 from memfit.model_shape import ModelShape
 from memfit_trainer.activation_offload import offload_activations
+from memfit_trainer.blocks import one_per_row, pack
+from memfit_trainer.chat import Tokens
 from memfit_trainer.chunked_loss import causal_lm_loss, unwrap_causal_lm
+from memfit_trainer.data import model_inputs
 from memfit_trainer.hf_config import transformers_config
 
 Dtype = Literal[Precision.BF16, Precision.FP32]
@@ -46,6 +55,7 @@ TracedAttention = Literal[Attention.SDPA, Attention.EAGER]
 Trainable = Literal[Method.FULL, Method.LORA]
 OptimizerImpl = Literal["foreach", "for-loop", "fused"]
 CausalMask = Literal["implicit", "explicit"]
+Batch = Literal["plain", "packed", "padded"]
 
 CATEGORIES: tuple[str, ...] = ("PARAM", "BUFFER", "GRAD", "ACT", "TEMP", "OPT", "OTH")
 """MemTracker's categories by enum member name (``OTH`` holds externally tracked inputs)."""
@@ -186,10 +196,23 @@ def _cuda_like_dropout() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _fake_run(causal_mask: CausalMask) -> Iterator[None]:
+def _fake_run(causal_mask: CausalMask) -> Iterator[FakeTensorMode]:
     """Fake tensors on the CPU device, with the mask and dropout choices of a real GPU run."""
-    with FakeTensorMode(), _real_run_mask_decisions(causal_mask), _cuda_like_dropout():
-        yield
+    with FakeTensorMode() as mode, _real_run_mask_decisions(causal_mask), _cuda_like_dropout():
+        yield mode
+
+
+def _real_batch(batch: Batch, micro_batch: int, seq_len: int, vocab_size: int) -> dict[str, torch.Tensor]:
+    """One micro-batch as real tensors (made before the fake run, which cannot read numpy): ``plain`` token
+    ids that are their own labels, or the trainer's :func:`~memfit_trainer.data.model_inputs` of documents
+    shorter than a row (three quarters of one), ``packed`` or one per row and ``padded``."""
+    if batch == "plain":
+        ids = torch.randint(0, vocab_size, (micro_batch, seq_len))
+        return {"input_ids": ids, "labels": ids}
+    length = max(1, 3 * seq_len // 4)
+    documents = itertools.repeat(Tokens(torch.randint(0, vocab_size, (length,)).tolist(), [True] * length))
+    rows = pack(documents, seq_len) if batch == "packed" else one_per_row(documents, seq_len, pad_id=0)
+    return model_inputs(np.stack([next(rows) for _ in range(micro_batch)]), packing=batch == "packed")
 
 
 def _build_model(
@@ -308,10 +331,11 @@ def trace_training_step(
     lora_rank: int = 16,
     lora_targets: tuple[str, ...] = ("all-linear",),
     lora_dropout: float = 0.05,
-    causal_mask: CausalMask = "implicit",
+    causal_mask: CausalMask | None = None,
     steps: int = 2,
     chunked_loss: bool = False,
     activation_offloading: bool = False,
+    batch: Batch = "plain",
 ) -> dict[str, Any]:
     """Run ``steps`` training steps on fake tensors and measure the last one with MemTracker.
 
@@ -329,6 +353,9 @@ def trace_training_step(
     the total's peak because gradients accumulate during backward. With ``activation_offloading`` (which
     needs ``gradient_checkpointing``) the trainer's offload hooks move the checkpointed layers' inputs to
     :data:`HOST`; ``host_peak_bytes`` is the most they held at once.
+
+    ``batch``: plain, or the trainer's packed or padded one (see the module's docstring). ``causal_mask``
+    defaults to what a real run of that batch gets: ``implicit`` for plain, ``explicit`` otherwise.
     """
     if optimizer != Optimizer.ADAMW:
         raise ValueError(f"unsupported optimizer {optimizer!r}: only adamw is traced")
@@ -336,6 +363,10 @@ def trace_training_step(
         raise ValueError("steps must be at least 1")
     if activation_offloading and not gradient_checkpointing:
         raise ValueError("activation offloading moves checkpointed layers' inputs: it needs gradient_checkpointing")
+    if causal_mask is None:
+        causal_mask = "implicit" if batch == "plain" else "explicit"
+    elif causal_mask == "implicit" and batch != "plain":
+        raise ValueError(f"a {batch} batch always gets an explicit mask: causal_mask='implicit' needs batch='plain'")
     import transformers
 
     settings: dict[str, Any] = {
@@ -354,22 +385,24 @@ def trace_training_step(
         "steps": steps,
         "chunked_loss": chunked_loss,
         "activation_offloading": activation_offloading,
+        "batch": batch,
     }
     model = _build_model(
         shape, dtype, attention, gradient_checkpointing, trainable, lora_rank, lora_targets, lora_dropout
     )
     if activation_offloading:  # the trainer's hooks (memfit_trainer.loop), copying to the stand-in host
         offload_activations(model, host=HOST)
-    with _fake_run(causal_mask):
+    real_inputs = _real_batch(batch, micro_batch, seq_len, shape.vocab_size)
+    with _fake_run(causal_mask) as mode:
         _fake_weights(model)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = _optimizer(params, optimizer_impl)
-        input_ids = torch.randint(0, shape.vocab_size, (micro_batch, seq_len))
+        inputs: dict[str, torch.Tensor] = {name: mode.from_tensor(tensor) for name, tensor in real_inputs.items()}
 
         def forward() -> torch.Tensor:
             if chunked_loss:  # the trainer's code path (memfit_trainer.loop)
-                return causal_lm_loss(model, unwrap_causal_lm(model), {"input_ids": input_ids, "labels": input_ids})
-            return cast(torch.Tensor, model(input_ids=input_ids, labels=input_ids).loss)
+                return causal_lm_loss(model, unwrap_causal_lm(model), inputs)
+            return cast(torch.Tensor, model(**inputs).loss)
 
         start, phases = tracked_training_steps(model, opt, forward, steps)
 

@@ -165,7 +165,12 @@ class ModelShape:
 
         Embeddings, the LM head, norms and biases stay in higher precision under QLoRA.
         """
-        return self.num_layers * sum(m.weight_parameters for m in self.layer_linears if m.name != "gate")
+        return self.num_layers * sum(m.weight_parameters for m in self.quantizable_linears)
+
+    @cached_property
+    def quantizable_linears(self) -> tuple[LinearModule, ...]:
+        """The layer's linears bitsandbytes replaces with 4-bit ones (``count`` of each per layer)."""
+        return tuple(m for m in self.layer_linears if m.name != "gate")
 
     @cached_property
     def largest_layer_parameters(self) -> int:

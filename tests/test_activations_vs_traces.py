@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -53,7 +54,7 @@ SETTINGS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: "-".join(str(v) for v in s.values()))
 @pytest.mark.parametrize("name", sorted(UNSEEN))
-def test_fresh_traces_of_unseen_architectures(name: str, settings: dict) -> None:
+def test_fresh_traces_of_unseen_architectures(name: str, settings: dict[str, Any]) -> None:
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from calibration.memtrace import trace_training_step
@@ -61,3 +62,61 @@ def test_fresh_traces_of_unseen_architectures(name: str, settings: dict) -> None
     record = trace_training_step(UNSEEN[name], **settings)
     error = relative_error(record)
     assert WORST_UNDER <= error <= WORST_OVER, f"{name} {settings}: {error:+.1%}"
+
+
+PACKED_SHAPES = {
+    "llama": ModelShape(ModelFamily.LLAMA, 512, 1408, 4, 8, 2, 8192),
+    "qwen2 tied": ModelShape(ModelFamily.QWEN2, 512, 1376, 4, 8, 2, 8192, tie_word_embeddings=True),
+    "mistral": ModelShape(ModelFamily.MISTRAL, 640, 1792, 3, 10, 2, 8192),
+}
+"""Narrow, grouped-query and long (2048 tokens, under Mistral's sliding window): the (b, 1, s, s) mask, its
+per-layer copies and the repeated keys and values are a visible part of the peak."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainable", ["full", "lora"])
+@pytest.mark.parametrize("gradient_checkpointing", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("name", sorted(PACKED_SHAPES))
+def test_fresh_traces_of_the_trainers_packed_batches(
+    name: str, attention: str, gradient_checkpointing: bool, trainable: str
+) -> None:
+    """The trainer's own packed micro-batch (restarting position_ids: a block-diagonal mask)."""
+    pytest.importorskip("transformers")
+    from calibration.memtrace import trace_training_step
+
+    record = trace_training_step(
+        PACKED_SHAPES[name], micro_batch=1, seq_len=2048, attention=attention,  # type: ignore[arg-type]
+        gradient_checkpointing=gradient_checkpointing, trainable=trainable, batch="packed",  # type: ignore[arg-type]
+    )  # fmt: skip
+    assert record["settings"]["causal_mask"] == "explicit"
+    error = relative_error(record)
+    assert WORST_UNDER <= error <= WORST_OVER, f"{name} {attention} {gradient_checkpointing} {trainable}: {error:+.1%}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gradient_checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_padded_batches_cost_what_packed_ones_do(gradient_checkpointing: bool) -> None:
+    """``packing: false`` is planned as a batch with padding: SDPA then gets the same mask as a packed batch,
+    and the sequences' mask costs what the model says over an unmasked batch."""
+    pytest.importorskip("transformers")
+    from calibration.compare import activation_estimate, measured_beyond_states
+    from calibration.memtrace import trace_training_step
+
+    shape = PACKED_SHAPES["llama"]
+    records = {
+        batch: trace_training_step(
+            shape, micro_batch=2, seq_len=1024, gradient_checkpointing=gradient_checkpointing, batch=batch
+        )
+        for batch in ("plain", "padded", "packed")
+    }
+    measured = {batch: measured_beyond_states(record) for batch, record in records.items()}
+    predicted = {batch: activation_estimate(record).peak for batch, record in records.items()}
+    assert predicted["padded"] == predicted["packed"] > predicted["plain"]
+    mask_cost = measured["padded"] - measured["plain"]
+    assert mask_cost == predicted["padded"] - predicted["plain"]
+    # A packed batch adds only rotary tables per row rather than one shared (cos and sin) and its position
+    # bookkeeping (under 8 bytes a token), which the model leaves out as it does the shared tables (0.1%).
+    rows, tokens = 2, 2 * 1024
+    per_row_tables = 2 * (rows - 1) * 1024 * (shape.q_size // shape.num_attention_heads) * 2
+    assert per_row_tables < measured["packed"] - measured["padded"] <= per_row_tables + tokens * 8

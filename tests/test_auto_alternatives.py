@@ -88,7 +88,12 @@ def test_the_runner_ups_show_the_best_of_each_other_method() -> None:
     plan_of = FineTuneJob.model_validate(document)
     result = plan_job(plan_of.spec, [ONE_A100_BIG_HOST])
     shown = runners_up(result)
-    assert [c.strategy.method for c in shown] == ["lora", "qlora"]  # lora without activation offloading next
+    # lora without activation offloading next, then the best qlora (DeepSpeed), then qlora on fsdp2
+    assert [c.strategy.summary() for c in shown] == [
+        "lora zero3 params->cpu ckpt mb8x4 bf16 adamw on 1x1 a100",
+        "qlora zero0 ckpt mb8x4 bf16 adamw on 1x1 a100",
+        "qlora fsdp2-zero3 ckpt mb4x8 bf16 adamw on 1x1 a100",
+    ]
     out = io.StringIO()
     print_plan_table(plan_of, result, Console(file=out, width=200))
     text = out.getvalue()

@@ -31,7 +31,8 @@ CANDIDATE_KEYS = {
 }
 STRATEGY_KEYS = {"method", "pool", "nodes", "gpusPerNode", "zeroStage", "offloadOptimizer", "offloadParameters",
                  "gradientCheckpointing", "microBatchSize", "gradientAccumulationSteps", "precision", "optimizer",
-                 "attention", "chunkedLoss", "activationOffloading", "masterWeights", "engine"}  # fmt: skip
+                 "attention", "chunkedLoss", "activationOffloading", "masterWeights", "engine",
+                 "optimizerInBackward"}  # fmt: skip
 PER_GPU_KEYS = {"parameters", "gradients", "optimizerStates", "activations", "overhead", "peakAllocatedBytes", "total"}
 
 

@@ -117,7 +117,7 @@ def test_an_unvalidated_output_cannot_leave_the_jobs_directory(
     output: VolumePath,
 ) -> None:  # fmt: skip
     job = unvalidated(nested_job, output=output)
-    monkeypatch.setattr(run_command, "_single_job", lambda path, name: job)
+    monkeypatch.setattr(run_command, "single_job", lambda path, name: job)
     assert main(["run", str(nested_job), "--local", "--nproc", "2", "--dry-run"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("memfit run: error: ")
@@ -131,7 +131,7 @@ def test_an_unvalidated_data_path_cannot_leave_its_claim(
     job = load_documents(nested_job).jobs[0]
     dataset = job.spec.dataset.model_copy(update={"source": Source.model_construct(pvc="data", path="../../x")})
     job = unvalidated(nested_job, dataset=dataset)
-    monkeypatch.setattr(run_command, "_single_job", lambda path, name: job)
+    monkeypatch.setattr(run_command, "single_job", lambda path, name: job)
     assert main(["run", str(nested_job), "--local", "--nproc", "2", "--dry-run"]) == 2
     assert "climbs out" in capsys.readouterr().err
 

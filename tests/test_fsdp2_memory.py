@@ -11,9 +11,16 @@ from memfit.api.plan import Strategy
 from memfit.api.vocabulary import Attention, Engine, MasterWeights, Method, Offload, Optimizer, Precision
 from memfit.catalog.models import MODEL_PRESETS
 from memfit.memory.activations import estimate_activations
-from memfit.memory.estimate import LoraSettings, activation_setup, peak_memory, static_memory
+from memfit.memory.estimate import (
+    LoraSettings,
+    activation_setup,
+    host_memory_per_node,
+    loaded_on_host,
+    peak_memory,
+    static_memory,
+)
 from memfit.memory.fsdp2 import fsdp2_groups, fsdp2_step
-from memfit.memory.states import model_states
+from memfit.memory.states import NF4_BYTES_PER_PARAMETER, model_states
 from memfit.planner import throughput
 
 SHAPE = MODEL_PRESETS["llama-2-7b"]
@@ -151,3 +158,42 @@ def test_fsdp2_offload_costs_pcie_and_the_cpu_optimizer() -> None:
     pcie = (2 * 4 * P / 8 + 4 * P / 8) / POOL.pcie_bytes_per_second
     cpu_adam = P / 8 / (throughput.CPU_ADAM_PARAMS_PER_SECOND_PER_NODE / 8)
     assert offloaded - on_gpu == pytest.approx(pcie + cpu_adam)
+
+
+def test_seventy_billion_qlora_fits_two_24_gb_gpus_only_sharded_by_fsdp2() -> None:
+    """answer.ai's FSDP-QLoRA case: Llama 2 70B on 2 x RTX 4090 (128 GiB host: each rank builds its 4-bit
+    model there before sharding, 2 x 37 GB). Its 4-bit base
+    whole (35 GB) fits no 24 GB GPU, so DeepSpeed's QLoRA cannot; sharded, each rank holds half the packed
+    codes plus every quant state (tests/trainer/test_fsdp2_qlora.py checks these terms against the real
+    tensors of a sharded model)."""
+    from memfit.memory.fsdp2 import packed_bytes, replicated_quant_states
+    from memfit.memory.states import trainable_split
+    from memfit.planner.search import plan_job
+    from tests.planning_fixtures import job, pool
+
+    shape = MODEL_PRESETS["llama-2-70b"]
+    result = plan_job(job("llama-2-70b", batch=8, sequence=512), [pool("rtx", "NVIDIA-GeForce-RTX-4090", 2, 1, 128)])
+    chosen = result.chosen
+    assert chosen is not None and chosen.strategy.method == Method.QLORA and chosen.strategy.engine == Engine.FSDP2
+    assert chosen.fits and chosen.memory.per_gpu.total <= chosen.gpu_memory_bytes
+    s = chosen.strategy
+    split = trainable_split(shape, Method.QLORA, LORA.rank, LORA.targets)
+    sharded = split.frozen_unquantized * 2 + packed_bytes(split.frozen_quantized) + split.trainable * 2  # bf16
+    quant_states = replicated_quant_states(shape, Method.QLORA)
+    assert model_states(shape, s, LORA.rank, LORA.targets).parameters == int(sharded / 2) + quant_states
+    assert 2 * packed_bytes(shape.quantizable_parameters) > chosen.gpu_memory_bytes  # whole, it fits no GPU
+    print(f"{s.summary()}: {chosen.memory.per_gpu}")
+
+
+def test_every_fsdp2_rank_builds_its_model_on_the_host_before_sharding() -> None:
+    """The trainer's FSDP2 path builds the whole model on each rank's host (no partitioned construction as
+    under DeepSpeed ZeRO-3): 16-bit for full and LoRA, the 4-bit model for QLoRA."""
+    deepspeed = fsdp2(engine=Engine.DEEPSPEED)
+    assert loaded_on_host(SHAPE, deepspeed) == 0  # ZeRO-3 builds partitioned
+    assert loaded_on_host(SHAPE, fsdp2()) == 2 * P
+    quantized = SHAPE.quantizable_parameters
+    four_bit = loaded_on_host(SHAPE, fsdp2(method=Method.QLORA))
+    assert four_bit == int(quantized * NF4_BYTES_PER_PARAMETER) + 2 * (P - quantized)
+    assert loaded_on_host(SHAPE, dataclasses.replace(deepspeed, method=Method.QLORA, zero_stage=2)) == 0
+    cpu, _ = host_memory_per_node(SHAPE, fsdp2(), states(fsdp2()))
+    assert cpu >= 8 * 2 * P  # eight ranks, each with the 16-bit model

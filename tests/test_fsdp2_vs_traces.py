@@ -11,6 +11,7 @@ fake device is the host (tests/test_fsdp2_memory.py checks its accounting).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -41,6 +42,11 @@ CASES: dict[str, dict[str, Any]] = {
     "full checkpointed": dict(gradient_checkpointing=True),
     "lora fp32-masters reshard": dict(trainable=Method.LORA),
     "lora bf16-masters keep": dict(trainable=Method.LORA, masters=MasterWeights.BF16, reshard_after_forward=False),
+    "full fp32-masters reshard in-backward": dict(optimizer_in_backward=True),
+    "full bf16-masters keep in-backward": dict(
+        masters=MasterWeights.BF16, reshard_after_forward=False, optimizer_in_backward=True
+    ),
+    "lora fp32-masters reshard in-backward": dict(trainable=Method.LORA, optimizer_in_backward=True),
 }
 LORA = LoraSettings(16, ("all-linear",), True)
 SEQ = 64
@@ -53,7 +59,7 @@ def _strategy(world_size: int, case: dict[str, Any], micro_batch: int) -> Strate
         offload_parameters=Offload.NONE, gradient_checkpointing=case.get("gradient_checkpointing", False),
         micro_batch_size=micro_batch, gradient_accumulation_steps=1, precision=Precision.BF16,
         optimizer=Optimizer.ADAMW, attention=Attention.SDPA, master_weights=case.get("masters", MasterWeights.FP32),
-        engine=Engine.FSDP2,
+        engine=Engine.FSDP2, optimizer_in_backward=case.get("optimizer_in_backward", False),
     )  # fmt: skip
 
 
@@ -63,7 +69,9 @@ def estimate_vs_trace(shape: ModelShape, world_size: int, case: dict[str, Any], 
     record = trace_fsdp2_step(shape, world_size=world_size, micro_batch=micro_batch, seq_len=SEQ, **case)
     strategy = _strategy(world_size, case, micro_batch)
     static = static_memory(shape, strategy, LORA)
-    activations = estimate_activations(shape, activation_setup(shape, strategy, SEQ, LORA))
+    setup = activation_setup(shape, strategy, SEQ, LORA)
+    # The trace's batch is one unpadded sequence per row: SDPA gets no attention mask.
+    activations = estimate_activations(shape, dataclasses.replace(setup, masked_batches=False))
     predicted = peak_memory(static, activations, 1).per_gpu.peak_allocated_bytes
     measured: int = record["peak_total"]
     return predicted / measured - 1

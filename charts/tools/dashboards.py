@@ -223,7 +223,8 @@ def fleet() -> dict[str, Any]:
 
 
 def job() -> dict[str, Any]:
-    """One job: memory predicted against measured per rank, speed, loss, step time, MFU, checkpoints."""
+    """One job: memory predicted against measured per rank, speed, loss (training and validation), step time,
+    MFU, checkpoints."""
     panels = [
         stat("Phase", "The job's status phase (from the operator).",
              Query(f"max by (phase) (memfit_job_phase{{{JOB}}}) == 1", "{{phase}}"), text_mode="name"),
@@ -268,9 +269,12 @@ def job() -> dict[str, Any]:
                    unit="percentunit", min=0),
         row("Training"),
         timeseries("Loss", "Training loss of the last optimizer step.",
-                   Query(f'max(memfit_train_loss{{{JOB}, rank="0"}})', "loss")),
+                   Query(f'max(memfit_train_loss{{{JOB}, rank="0"}})', "loss"), width=8),
+        timeseries("Validation loss", "Mean loss over the held-out validation tokens (dataset.validation), "
+                   "computed every validation.everySteps steps and at the end; no data without a validation set.",
+                   Query(f'max(memfit_validation_loss{{{JOB}, rank="0"}})', "validation loss"), width=8),
         timeseries("Learning rate", "Learning rate of the last optimizer step.",
-                   Query(f'max(memfit_train_learning_rate{{{JOB}, rank="0"}})', "learning rate")),
+                   Query(f'max(memfit_train_learning_rate{{{JOB}, rank="0"}})', "learning rate"), width=8),
         row("Checkpoints"),
         stat("Last checkpoint step", "Step of the last checkpoint saved.",
              Query(f"max(memfit_checkpoint_last_step{{{JOB}}})"), width=8),

@@ -12,6 +12,7 @@ from memfit.api.base import (
     MAX_COUNTER,
     MAX_STEPS,
     ApiModel,
+    ClaimPath,
     Condition,
     NonEmptyStr,
     ObjectMeta,
@@ -34,6 +35,7 @@ from memfit.api.vocabulary import (
     Optimizer,
     Phase,
     Precision,
+    TrainOn,
     ZeroStage,
 )
 from memfit.catalog.models import MODEL_PRESETS, model_preset
@@ -165,28 +167,74 @@ class ModelSpec(ApiModel):
     random_init: StrictBool = False
     """Build the architecture with random weights instead of loading any (smoke tests of a cluster or
     a pipeline; nothing is downloaded)."""
+    tokenizer: NonEmptyStr | None = None
+    """A tokenizer other than the model's own: a directory inside the model volume when `source` is a
+    claim, else a Hub id. Default: the model's own (`name`); randomInit models use a built-in byte-level
+    tokenizer unless this is set."""
+
+
+class ValidationSpec(ApiModel):
+    """Held-out data for a validation loss: a fraction of the training records, or files of its own."""
+
+    fraction: Annotated[float, Strict(), Field(gt=0, le=0.5, allow_inf_nan=False)] | None = None
+    """Share of the training records held out (chosen by the seed, the same on every restart), e.g. 0.05."""
+    path: ClaimPath | None = None
+    """A file or directory of validation records on the dataset's own volume (same format and fields)."""
+    every_steps: StrictInt = Field(default=100, ge=1, le=MAX_STEPS)
+    """Compute the validation loss every this many optimizer steps, and at the end."""
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> ValidationSpec:
+        if (self.fraction is None) == (self.path is None):
+            raise ValueError("dataset.validation needs exactly one of `fraction` or `path`")
+        return self
 
 
 class DatasetSpec(ApiModel):
-    """The training data."""
+    """The training data: plain text, chat conversations, or prompt/completion pairs."""
 
     source: Source
     """Where the data files are."""
     format: DatasetFormat = DatasetFormat.JSONL
     """File format."""
     text_field: Annotated[str, Strict(), Field(min_length=1, max_length=256)] | None = None
-    """Field holding plain text (default `text` when no `messagesField` is given)."""
+    """Field holding plain text, every token a target (default `text` when no other field is given)."""
     messages_field: Annotated[str, Strict(), Field(min_length=1, max_length=256)] | None = None
     """Field holding chat messages ([{role, content}, ...]), rendered with the model's chat template."""
+    prompt_field: Annotated[str, Strict(), Field(min_length=1, max_length=256)] | None = None
+    """Field holding a prompt (with `completionField`): the loss is on the completion only."""
+    completion_field: Annotated[str, Strict(), Field(min_length=1, max_length=256)] | None = None
+    """Field holding the completion that follows `promptField`."""
+    train_on: TrainOn = TrainOn.ASSISTANT
+    """assistant: the loss is on assistant turns (chat) or the completion (prompt/completion) only; system,
+    user and tool turns are context. all: every token is a target. Plain text always trains on every token."""
+    packing: StrictBool = True
+    """Pack documents into full sequences (each attends only to itself, positions restart per document);
+    false: one document per sequence, padded (tokens past the sequence length are cut and reported)."""
+    validation: ValidationSpec | None = None
+    """Held-out data for a validation loss (none by default)."""
     streaming: StrictBool = False
     """Stream the files instead of loading them (for datasets larger than the node's memory)."""
 
     @model_validator(mode="after")
-    def _one_field(self) -> DatasetSpec:
-        if self.text_field is not None and self.messages_field is not None:
-            raise ValueError("set `textField` or `messagesField`, not both")
-        if self.text_field is None and self.messages_field is None:
+    def _one_kind(self) -> DatasetSpec:
+        if (self.prompt_field is None) != (self.completion_field is None):
+            raise ValueError("set `promptField` and `completionField` together")
+        kinds = [k for k, v in (("textField", self.text_field), ("messagesField", self.messages_field),
+                                ("promptField", self.prompt_field)) if v is not None]  # fmt: skip
+        if len(kinds) > 1:
+            both = "both" if len(kinds) == 2 else "all of"
+            raise ValueError(
+                "set one kind of record field (textField, messagesField, or promptField with completionField), "
+                f"not {both} {' and '.join(kinds)}"
+            )
+        if not kinds:
             self.text_field = "text"
+        if self.validation is not None and self.validation.fraction is not None and self.streaming:
+            raise ValueError(
+                "dataset.validation.fraction holds records out of a dataset loaded whole; a streamed dataset "
+                "needs its own validation files (`validation.path`)"
+            )
         return self
 
 
@@ -222,8 +270,8 @@ class TrainingSpec(ApiModel):
     """Fraction of steps spent warming the learning rate up."""
     weight_decay: StrictFloat = Field(default=0.0, ge=0, le=10)
     """Decoupled weight decay (0-10)."""
-    max_grad_norm: StrictFloat = Field(default=1.0, gt=0, le=1_000_000)
-    """Gradient clipping norm."""
+    max_grad_norm: StrictFloat = Field(default=1.0, ge=0, le=1_000_000)
+    """Clip the gradients' global norm to this; 0: no clipping (needed by strategy.optimizerInBackward)."""
     optimizer: Optimizer = Optimizer.ADAMW
     """Optimizer; the 8-bit ones come from bitsandbytes."""
     precision: Precision = Precision.AUTO
@@ -279,6 +327,13 @@ class StrategySpec(ApiModel):
     engine: Engine | None = None
     """deepspeed (ZeRO) or fsdp2 (PyTorch's fully_shard; zeroStage 2 or 3, CPU offload of parameters,
     gradients and optimizer states together)."""
+    optimizer_in_backward: StrictBool | None = None
+    """fsdp2: step each parameter's optimizer in the backward pass as soon as its gradient is reduced, then
+    free the gradient, so the full set of gradients never exists (as torchtune does for large models). It
+    needs gradient accumulation 1 (a gradient must be final when it is made) and no clipping: a parameter's
+    step cannot wait for the global norm of all gradients, so set training.maxGradNorm: 0 (torchtune makes
+    the same choice). Unset: the planner uses it only where the job allows it and it fits a larger
+    micro-batch, or makes the job fit at all."""
 
 
 class FineTuneJobSpec(ApiModel):
@@ -322,6 +377,9 @@ class FineTuneJobSpec(ApiModel):
             activation_offloading=strategy.activation_offloading,
             master_weights=strategy.master_weights,
             engine=strategy.engine,
+            optimizer_in_backward=strategy.optimizer_in_backward,
+            gradient_accumulation_steps=self._fewest_accumulation_steps(),
+            clips_gradients=self.training.max_grad_norm > 0,
         )
         if conflicts:
             raise ValueError("; ".join(conflicts))
@@ -333,6 +391,14 @@ class FineTuneJobSpec(ApiModel):
             )
         self.model.architecture.shape().resolve_lora_targets(tuple(self.lora.target_modules))
         return self
+
+    def _fewest_accumulation_steps(self) -> int | None:
+        """The least accumulation a pinned micro-batch allows on at most resources.maxGpus GPUs (None:
+        unknown until planned)."""
+        micro, gpus = self.strategy.micro_batch_size, self.resources.max_gpus
+        if micro is None or gpus is None:
+            return None
+        return max(1, -(-self.training.global_batch_size // (micro * gpus)))
 
 
 class Progress(ApiModel):
@@ -350,6 +416,10 @@ class Progress(ApiModel):
     """Estimated time to finish (RFC 3339)."""
     last_checkpoint_step: Annotated[int, Strict(), Field(ge=0, le=MAX_COUNTER)] | None = None
     """Step of the newest complete checkpoint."""
+    validation_loss: Annotated[float, Strict(), Field(allow_inf_nan=False)] | None = None
+    """Mean loss over the validation target tokens (dataset.validation), computed at `validationStep`."""
+    validation_step: Annotated[int, Strict(), Field(ge=0, le=MAX_COUNTER)] | None = None
+    """The step the validation loss was computed at."""
     updated: StrictStr | None = None
     """When this progress was read (RFC 3339)."""
 

@@ -75,6 +75,10 @@ class Strategy:
     """deepspeed (ZeRO), or fsdp2 (PyTorch fully_shard: zeroStage 3 reshards parameters after the forward
     pass, 2 keeps them gathered until the backward; offload moves parameters, gradients and optimizer states
     to the host together)."""
+    optimizer_in_backward: bool = False
+    """fsdp2 only: each parameter's optimizer step runs in the backward pass as soon as its sharded gradient
+    is reduced, and the gradient is freed, so the full set of gradients never exists (accumulation 1, no
+    gradient clipping)."""
 
     @property
     def gpus(self) -> int:
@@ -96,6 +100,8 @@ class Strategy:
             parts.append("act->cpu")
         if self.master_weights == MasterWeights.BF16:
             parts.append("bf16-masters")
+        if self.optimizer_in_backward:
+            parts.append("opt-in-bwd")
         parts += [f"mb{self.micro_batch_size}x{self.gradient_accumulation_steps}", self.precision, self.optimizer]
         return " ".join(parts) + f" on {self.nodes}x{self.gpus_per_node} {self.pool}"
 
@@ -116,12 +122,17 @@ def strategy_conflicts(
     activation_offloading: bool | None = None,
     master_weights: MasterWeights | None = None,
     engine: Engine | None = None,
+    optimizer_in_backward: bool | None = None,
+    gradient_accumulation_steps: int | None = None,
+    clips_gradients: bool | None = None,
 ) -> list[str]:
     """Why a combination of knobs cannot run as planned: the trainer's preflight refuses it, DeepSpeed
     refuses it, or DeepSpeed silently ignores part of it. ``None`` (and ``auto``) is a knob not decided
     yet: only the rules whose knobs are all decided apply, so the same rules check a spec's pinned knobs
     and each strategy the planner generates."""
     qlora = method == Method.QLORA
+    # DeepSpeed cannot partition or offload 4-bit weights; FSDP2 shards their bf16-stored codes (FSDP-QLoRA).
+    qlora_on_deepspeed = qlora and engine != Engine.FSDP2
     offloads_optimizer = offload_optimizer in _OFFLOADED
     offloads_parameters = offload_parameters in _OFFLOADED
     conflicts = []
@@ -130,9 +141,9 @@ def strategy_conflicts(
             f"method qlora computes in bf16 (the trainer refuses it in {precision}): set training.precision "
             "to bf16 or auto, on a GPU with bf16"
         )
-    if qlora and zero_stage == 3:
+    if qlora_on_deepspeed and zero_stage == 3:
         conflicts.append("method qlora cannot run under ZeRO-3 (4-bit weights are not partitioned); use zeroStage 0-2")
-    if qlora and offloads_parameters:
+    if qlora_on_deepspeed and offloads_parameters:
         conflicts.append(
             "method qlora keeps its 4-bit base on the GPU: parameter offload needs ZeRO-3, which qlora cannot use"
         )
@@ -164,17 +175,43 @@ def strategy_conflicts(
     if bf16_masters and precision in (Precision.FP16, Precision.FP32):
         conflicts.append(f"strategy.masterWeights bf16 needs training.precision bf16 (not {precision})")
     if engine == Engine.FSDP2:
-        conflicts += _fsdp2_conflicts(method, precision, zero_stage, offload_optimizer, offload_parameters, optimizer)
+        conflicts += _fsdp2_conflicts(precision, zero_stage, offload_optimizer, offload_parameters, optimizer)
     if bf16_masters and offloads_optimizer and engine != Engine.FSDP2:
         conflicts.append(
             "strategy.masterWeights bf16 keeps the optimizer on the GPU; with strategy.offloadOptimizer use fp32 "
             "masters (host memory holds them)"
         )
+    if optimizer_in_backward:
+        conflicts += _optimizer_in_backward_conflicts(engine, gradient_accumulation_steps, clips_gradients)
+    return conflicts
+
+
+def _optimizer_in_backward_conflicts(
+    engine: Engine | None, gradient_accumulation_steps: int | None, clips_gradients: bool | None
+) -> list[str]:
+    """Each parameter steps as soon as its gradient is reduced: only fsdp2's hooks do that, the gradient must
+    be final (one micro-batch per step), and no step can wait for the norm of all gradients."""
+    conflicts = []
+    if engine is not None and engine != Engine.FSDP2:
+        conflicts.append(
+            "strategy.optimizerInBackward needs strategy.engine fsdp2 (it steps each sharded parameter from its "
+            "post-accumulate-grad hook)"
+        )
+    if gradient_accumulation_steps is not None and gradient_accumulation_steps > 1:
+        conflicts.append(
+            f"strategy.optimizerInBackward needs gradient accumulation 1 (got {gradient_accumulation_steps}): "
+            "each micro-batch's gradients are stepped on as its backward makes them; use a micro-batch of "
+            "globalBatchSize / GPUs"
+        )
+    if clips_gradients:
+        conflicts.append(
+            "strategy.optimizerInBackward cannot clip gradients (a parameter's step cannot wait for the global "
+            "norm of all of them): set training.maxGradNorm: 0"
+        )
     return conflicts
 
 
 def _fsdp2_conflicts(
-    method: Method | None,
     precision: Precision | None,
     zero_stage: int | None,
     offload_optimizer: Offload | None,
@@ -199,8 +236,6 @@ def _fsdp2_conflicts(
             "strategy.engine fsdp2 offloads parameters, gradients and optimizer states together: set "
             "offloadOptimizer and offloadParameters alike"
         )
-    if method == Method.QLORA:
-        conflicts.append("method qlora runs on the deepspeed engine (4-bit weights are not sharded by fsdp2 here)")
     if optimizer is not None and optimizer != Optimizer.ADAMW:
         conflicts.append(
             f"training.optimizer {optimizer} runs on the deepspeed engine; strategy.engine fsdp2 runs adamw (on "

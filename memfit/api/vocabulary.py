@@ -77,6 +77,15 @@ class Attention(StrEnum):
     FLASH = "flash"
 
 
+class TrainOn(StrEnum):
+    """Which tokens of a record are training targets (``dataset.trainOn``)."""
+
+    ASSISTANT = "assistant"
+    """Chat records: the assistant turns only; prompt/completion records: the completion only."""
+    ALL = "all"
+    """Every token (system, user and tool turns, prompts, template markup)."""
+
+
 class DatasetFormat(StrEnum):
     JSONL = "jsonl"
     PARQUET = "parquet"

@@ -37,6 +37,12 @@ def _run(args: argparse.Namespace) -> int:
     return run_local(args.job, args.nproc, args.mount, args.workdir, args.dry_run)
 
 
+def _data_preview(args: argparse.Namespace) -> int:
+    from memfit.cli.data_preview import run_preview
+
+    return run_preview(args.job, args.mount, args.n, args.output)
+
+
 def _crd(args: argparse.Namespace) -> int:
     from memfit.api.crd import crd_documents_yaml
 
@@ -115,6 +121,23 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--workdir", type=Path, help="where the rendered configs go (default: the output dir/.memfit)")
     run.add_argument("--dry-run", action="store_true", help="plan and render the configs, do not train")
     run.set_defaults(handler=_run)
+
+    data = commands.add_parser("data", parents=[debug], help="look at a job's training data as the trainer sees it")
+    data_commands = data.add_subparsers(dest="data_command", required=True, metavar="COMMAND")
+    preview = data_commands.add_parser(
+        "preview", parents=[debug], help="the first sequences, targets marked, and token statistics (no GPU)"
+    )
+    preview.add_argument("job", type=Path, help="YAML file with one FineTuneJob")
+    preview.add_argument(
+        "--mount",
+        action="append",
+        default=[],
+        metavar="CLAIM=DIR",
+        help="local directory standing in for a PersistentVolumeClaim (default: DIR named CLAIM beside the job)",
+    )
+    preview.add_argument("-n", type=int, default=3, metavar="N", help="sequences to show (default 3)")
+    preview.add_argument("-o", "--output", choices=("text", "json"), default="text", help="output format")
+    preview.set_defaults(handler=_data_preview)
 
     crd = commands.add_parser(
         "crd", parents=[debug], help="print the CustomResourceDefinitions generated from the API models"

@@ -130,7 +130,7 @@ def write_config_file(directory: Path, text: str) -> Path:
     return target
 
 
-def _single_job(path: Path, name: str | None) -> FineTuneJob:
+def single_job(path: Path, name: str | None) -> FineTuneJob:
     jobs = load_documents(path).jobs
     if name is not None:
         jobs = [job for job in jobs if job.metadata.name == name]
@@ -143,7 +143,7 @@ def run_local(job_file: Path, ranks: int | None, mount_args: list[str], workdir:
     machine = inspect_machine()
     ranks = ranks or (len(machine.gpu_names) if machine.has_gpus else min(DEFAULT_CPU_RANKS, machine.cpus))
     try:
-        job = _single_job(job_file, None)
+        job = single_job(job_file, None)
         mounts = local_mounts(job, job_file, parse_mounts(job_file, mount_args))
         output_dir = contained(
             Path(inside(mounts.output, job.spec.output.path)), Path(mounts.output), "output.path: the output directory"

@@ -1,14 +1,15 @@
 """The progress contract between the trainer and the operator.
 
-Rank 0 rewrites ``metrics.progressFile`` after every optimizer step and every checkpoint. The file is
+Rank 0 rewrites ``metrics.progressFile`` after every optimizer step, checkpoint and validation. The file is
 replaced atomically (a temporary file in the same directory, then ``os.replace``), so a reader sees
 either the previous complete document or the new one, never a partial one. It is not fsynced: after a
 node crash it may be a step or two stale, which is all a progress report needs. The operator reads it
 from the pod (``read_progress`` / ``parse_progress``) or scrapes the same numbers from rank 0's
 ``/metrics`` (``memfit_train_step``, ``memfit_train_total_steps``, ``memfit_train_progress_ratio``,
-``memfit_train_eta_seconds``).
+``memfit_train_eta_seconds``, ``memfit_validation_loss``, ``memfit_validation_step``).
 
-One JSON object, camelCase keys, every key always present (``null`` where unknown)::
+One JSON object, camelCase keys, every key always present (``null`` where unknown; documents written before
+the validation keys existed read as ``null`` for them)::
 
     {
       "step": 120,                     # optimizer steps completed
@@ -19,6 +20,9 @@ One JSON object, camelCase keys, every key always present (``null`` where unknow
       "eta": "2025-01-01T13:00:00Z",   # RFC 3339, UTC: updated + etaSeconds; null without totalSteps
       "lastCheckpointStep": 100,       # last checkpoint this process saved (null until its first, even on resume)
       "loss": 1.83,                    # training loss of the last step, null if it was NaN or infinite
+      "validationLoss": 1.91,          # mean loss over the validation target tokens at validationStep; null
+                                       # until this process's first evaluation (or if it was NaN or infinite)
+      "validationStep": 100,           # the step the validation loss was computed at; null until the first
       "updated": "2025-01-01T12:05:30Z"  # RFC 3339, UTC: when rank 0 wrote this
     }
 
@@ -40,6 +44,8 @@ TOTAL_STEPS_METRIC = "memfit_train_total_steps"
 ETA_METRIC = "memfit_train_eta_seconds"
 TOKENS_PER_SECOND_METRIC = "memfit_train_tokens_per_second"
 CHECKPOINT_STEP_METRIC = "memfit_checkpoint_last_step"
+VALIDATION_LOSS_METRIC = "memfit_validation_loss"
+VALIDATION_STEP_METRIC = "memfit_validation_step"
 """The series of rank 0's /metrics the operator reads progress from."""
 
 
@@ -54,6 +60,8 @@ class Progress(ApiModel):
     eta: AwareDatetime | None
     last_checkpoint_step: NonNegativeInt | None
     loss: float | None
+    validation_loss: float | None = None
+    validation_step: NonNegativeInt | None = None
     updated: AwareDatetime
 
     def to_json(self) -> str:

@@ -48,6 +48,7 @@ from memfit.api.vocabulary import (
     PlannedMethod,
     PlannedPrecision,
     Precision,
+    TrainOn,
 )
 from memfit.contract.layout import CheckpointLayout
 from memfit.model_shape import ModelShape
@@ -179,6 +180,9 @@ class ModelConfig(ApiModel):
     architecture: ModelShape | None = None
     """The model's shape (memfit.model_shape.ModelShape); required with randomInit."""
     revision: Name | None = None
+    tokenizer: Annotated[str, Strict(), Field(min_length=1, max_length=MAX_PATH_LENGTH)] | None = None
+    """Hub id or local directory of the tokenizer when it is not the model's own (``name_or_path``); a
+    randomInit model without one uses the built-in byte-level tokenizer."""
     token_env: Annotated[str, Strict(), Field(min_length=1, max_length=256)] = "HF_TOKEN"
     """Environment variable holding the Hub token (the token itself never appears in the config)."""
 
@@ -221,12 +225,33 @@ class ModelConfig(ApiModel):
         return self
 
 
+class ValidationConfig(ApiModel):
+    fraction: Annotated[float, Strict(), Field(gt=0, le=0.5, allow_inf_nan=False)] | None = None
+    """Share of the training records held out (by the seed)."""
+    path: AbsolutePath | None = None
+    """Validation records of their own (same format and fields as the training data)."""
+    every_steps: Annotated[int, Strict(), Field(ge=1, le=MAX_STEPS)] = 100
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> ValidationConfig:
+        if (self.fraction is None) == (self.path is None):
+            raise ValueError("data.validation needs exactly one of fraction or path")
+        return self
+
+
 class DataConfig(ApiModel):
     path: AbsolutePath
     """A file or a directory of jsonl, parquet or arrow files."""
     format: DatasetFormat | None = None
     text_field: Name | None = None
     messages_field: Name | None = None
+    prompt_field: Name | None = None
+    completion_field: Name | None = None
+    train_on: TrainOn = TrainOn.ASSISTANT
+    """Chat: assistant turns only, or every token; prompt/completion: the completion only, or every token."""
+    packing: Annotated[bool, Strict()] = True
+    """Documents packed into full sequences with per-document attention and positions, or one per sequence."""
+    validation: ValidationConfig | None = None
     streaming: Annotated[bool, Strict()] = False
 
 
@@ -258,7 +283,8 @@ class TrainingConfig(ApiModel):
     learning_rate: Annotated[float, Strict(), Field(gt=0, le=MAX_LEARNING_RATE, allow_inf_nan=False)]
     warmup_ratio: Annotated[float, Strict(), Field(ge=0, lt=1, allow_inf_nan=False)] = 0.03
     weight_decay: Annotated[float, Strict(), Field(ge=0, le=MAX_WEIGHT_DECAY, allow_inf_nan=False)] = 0.0
-    max_grad_norm: Annotated[float, Strict(), Field(gt=0, le=MAX_GRAD_NORM, allow_inf_nan=False)] = 1.0
+    max_grad_norm: Annotated[float, Strict(), Field(ge=0, le=MAX_GRAD_NORM, allow_inf_nan=False)] = 1.0
+    """0: no gradient clipping (as DeepSpeed's ``gradient_clipping``; required by optimizer-in-backward)."""
     optimizer: Optimizer = Optimizer.ADAMW
     precision: PlannedPrecision
     gradient_checkpointing: Annotated[bool, Strict()] = False
@@ -530,6 +556,9 @@ class Fsdp2Config(ApiModel):
     optimizer step on the CPU."""
     reduce_dtype: Literal[Precision.FP32, Precision.BF16] = Precision.FP32
     """Gradient reduce-scatter dtype (MixedPrecisionPolicy.reduce_dtype): fp32 with fp32 masters."""
+    optimizer_in_backward: Annotated[bool, Strict()] = False
+    """One optimizer per sharded parameter, stepped from its post-accumulate-grad hook as soon as its
+    gradient is reduced (the gradient then freed): accumulation 1, no clipping."""
 
 
 class TrainerConfig(ApiModel):
@@ -602,7 +631,10 @@ class TrainerConfig(ApiModel):
         problems += strategy_conflicts(t.method, t.precision, stage, offload, offload, t.optimizer, t.chunked_loss,
                                        gradient_checkpointing=t.gradient_checkpointing,
                                        activation_offloading=t.activation_offloading, master_weights=t.master_weights,
-                                       engine=self.engine)  # fmt: skip
+                                       engine=self.engine,
+                                       optimizer_in_backward=self.fsdp2.optimizer_in_backward if self.fsdp2 else None,
+                                       gradient_accumulation_steps=t.gradient_accumulation_steps,
+                                       clips_gradients=t.max_grad_norm > 0)  # fmt: skip
         return problems
 
     def _deepspeed_problems(self) -> list[str]:
@@ -695,8 +727,9 @@ class TrainerConfig(ApiModel):
     @property
     def checkpoint_dir(self) -> Path:
         """One directory per layout: after a re-plan to another layout (say ZeRO-2 to ZeRO-3 after an
-        out-of-memory failure) the run starts from the weights instead of failing on shards it cannot
-        load, and a later return to the first layout resumes its checkpoints."""
+        out-of-memory failure) the run converts the other layout's newest checkpoint where a conversion exists
+        (memfit.contract.layout ``converts_to``), else starts from the weights, instead of failing on shards it
+        cannot load; the first layout's checkpoints stay, and a later return to it resumes them."""
         return Path(self.output_dir) / "checkpoints" / self.layout.directory_name
 
     @property

@@ -24,6 +24,9 @@ pinned host memory (the trainer's ``memfit_trainer.activation_offload``); the GP
 code path has there at each moment (:func:`_offloaded_inputs`: LoRA's first input, which autograd keeps; the
 recomputed layer's own; the one prefetched for the next layer), and ``host_bytes`` is what the host holds
 when the forward pass ends, in the pinned allocator's blocks (:func:`pinned_host_bytes`).
+
+Packed documents (or padded rows) make ``transformers`` build a ``(b, 1, s, s)`` attention mask for SDPA and
+eager attention, never for flash attention (:func:`attention_mask_bytes`, :func:`sdpa_mask`).
 """
 
 from __future__ import annotations
@@ -67,6 +70,10 @@ class ActivationSetup:
     """The LM head and the loss run chunk by chunk (the trainer's ``chunked_cross_entropy``)."""
     activation_offloading: bool = False
     """Checkpointed layers' saved inputs wait in pinned host memory (the trainer's activation_offload)."""
+    masked_batches: bool = True
+    """Batches reach SDPA with a ``(b, 1, s, s)`` attention mask: packed documents (restarting positions)
+    or padded rows (``packing: false``; a plan assumes a batch with padding, the worst case). False only
+    for rows of one unpadded sequence each, which SDPA runs with ``is_causal`` and no mask."""
 
     @property
     def tokens(self) -> int:
@@ -106,6 +113,23 @@ def uses_eager_attention(shape: ModelShape, setup: ActivationSetup) -> bool:
     )
 
 
+def sdpa_mask(shape: ModelShape, setup: ActivationSetup) -> bool:
+    """SDPA gets an explicit mask (``transformers``' ``create_causal_mask``): it then converts it to the
+    compute dtype in every layer and, without native GQA, repeats keys and values to every query head."""
+    return setup.attention == Attention.SDPA and setup.masked_batches and not uses_eager_attention(shape, setup)
+
+
+def attention_mask_bytes(shape: ModelShape, setup: ActivationSetup) -> int:
+    """The ``(b, 1, s, s)`` mask ``transformers`` builds once per forward: bool for SDPA, the compute dtype
+    for eager attention (which builds it for every batch); none for flash attention (variable-length
+    boundaries instead). The decoder's forward holds it, and under checkpointing so does every layer's
+    recomputation, until the backward pass ends; without checkpointing it is gone before the loss."""
+    mask = setup.micro_batch_size * setup.sequence_length**2
+    if uses_eager_attention(shape, setup):
+        return mask * setup.element_bytes
+    return mask * BOOL if sdpa_mask(shape, setup) else 0
+
+
 def _rms_norm(shape: ModelShape, setup: ActivationSetup, output_kept: bool) -> int:
     """RMSNorm keeps its input upcast to fp32 (and an fp32 rsqrt per token); when its weight is trained
     also the normalised value (fp32 in Gemma's norm, which computes in fp32 throughout). Its output is
@@ -139,13 +163,20 @@ def _attention(shape: ModelShape, setup: ActivationSetup) -> int:
         fused = t * (q + 2 * kv) * w if shape.family is ModelFamily.PHI3 else 0  # v is a view of it
         return fused + t * 3 * q * w + scores + t * q * w
     lse = t * heads * FP32
+    masked = sdpa_mask(shape, setup)
+    # With a mask, SDPA keeps its compute-dtype copy and keys and values repeated to every query head.
+    mask = b * s * s * w if masked else 0
+    repeated = masked and kv != q
     if shape.family is ModelFamily.PHI3:
         # v is a view of the fused qkv output, which stays alive whole; RoPE's cat lays q out so
-        # that the kernel's output (allocated like q) must be copied for o_proj.
-        return t * w * ((q + 2 * kv) + (q + kv) + 2 * q) + lse
+        # that the kernel's output (allocated like q) must be copied for o_proj. Repeating k replaces
+        # it; repeating v adds a copy.
+        k_and_v = 2 * q if repeated else kv
+        return t * w * ((q + 2 * kv) + q + k_and_v + 2 * q) + lse + mask
     # Fused kernels (SDPA's flash/efficient backends, flash-attn) keep q, k, v, the output (laid out
     # so that o_proj reads it without a copy) and one fp32 log-sum-exp per row and head.
-    return t * (2 * q + 2 * kv) * w + lse
+    k_and_v = 2 * (q if repeated else kv)
+    return t * (2 * q + k_and_v) * w + lse + mask
 
 
 def _mlp(shape: ModelShape, setup: ActivationSetup) -> int:
@@ -283,8 +314,9 @@ def estimate_activations(shape: ModelShape, setup: ActivationSetup) -> Activatio
         kept, others, first_layer_input = layers * between, layers * between, between
     else:
         kept, others, first_layer_input = layers * per_layer, (layers - 1) * per_layer, 0
-    loss_moment = kept + head_and_loss(shape, setup)
-    one_layer = layer_backward_moment(shape, setup, per_layer, own_input)
+    mask = attention_mask_bytes(shape, setup) if setup.gradient_checkpointing else 0
+    loss_moment = kept + mask + head_and_loss(shape, setup)
+    one_layer = layer_backward_moment(shape, setup, per_layer, own_input) + mask
     layer_moment = others + one_layer
     return ActivationEstimate(
         saved_per_layer=per_layer,

@@ -18,11 +18,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.api.plan import PerGPUMemory, PerNodeMemory, PhaseMemory, PlanMemory, PlanPhases, Strategy
-from memfit.api.vocabulary import Method, Precision, StepPhase
+from memfit.api.vocabulary import Engine, Method, Precision, StepPhase
 from memfit.memory.activations import ActivationEstimate, ActivationSetup
 from memfit.memory.fsdp2 import Fsdp2Moment, Fsdp2Step, fsdp2_step, is_fsdp2
 from memfit.memory.overhead import FRAGMENTATION, communication_buffer_bytes, runtime_bytes
-from memfit.memory.states import ModelStates, compute_bytes, model_states, trainable_split
+from memfit.memory.states import (
+    BF16,
+    NF4_BYTES_PER_PARAMETER,
+    ModelStates,
+    compute_bytes,
+    model_states,
+    trainable_split,
+)
 from memfit.model_shape import ModelShape
 
 GIB = 1024**3
@@ -55,19 +62,31 @@ def activation_setup(
         adapter_bytes=compute_bytes(strategy.precision),  # the trainer casts the adapters to it (model.py)
         chunked_loss=strategy.chunked_loss,
         activation_offloading=strategy.activation_offloading,
+        masked_batches=True,  # packed batches, or with `packing: false` the worst case: one with padding
     )
 
 
-def host_memory_per_node(shape: ModelShape, strategy: Strategy, states: ModelStates) -> tuple[int, int]:
-    """(CPU, NVMe) bytes of one node: its ranks' offloaded states, or loading the model, if larger.
+def loaded_on_host(shape: ModelShape, strategy: Strategy) -> int:
+    """Bytes one rank holds in host memory while it builds the model, before the engine places it.
 
-    Every rank loads the 16-bit checkpoint into CPU memory before DeepSpeed moves or partitions it.
-    ZeRO-3 builds the model already partitioned, and QLoRA quantizes shard by shard straight onto the
-    GPU, so neither holds the whole model on the host."""
+    On DeepSpeed, ZeRO-3 builds the model already partitioned and QLoRA quantizes shard by shard straight
+    onto the GPU: neither holds the whole model on the host. Otherwise every rank loads the 16-bit model
+    into host memory first; on fsdp2, QLoRA's rank builds its 4-bit model there (packed weights, quant
+    states, the rest in bf16) and ``fully_shard`` moves it to the GPU layer by layer."""
+    if strategy.engine == Engine.DEEPSPEED and (strategy.zero_stage == 3 or strategy.method == Method.QLORA):
+        return 0
+    if strategy.method == Method.QLORA:
+        quantized = shape.quantizable_parameters
+        return int(quantized * NF4_BYTES_PER_PARAMETER) + BF16 * (shape.parameter_count - quantized)
+    return BF16 * shape.parameter_count
+
+
+def host_memory_per_node(shape: ModelShape, strategy: Strategy, states: ModelStates) -> tuple[int, int]:
+    """(CPU, NVMe) bytes of one node: its ranks' offloaded states, or loading the model, if larger."""
     ranks = strategy.gpus_per_node
     steady = ranks * (states.cpu_per_rank + HOST_BYTES_PER_RANK)
-    streams = strategy.zero_stage == 3 or strategy.method == Method.QLORA
-    loading = 0 if streams else ranks * (2 * shape.parameter_count + HOST_BYTES_PER_RANK)
+    loaded = loaded_on_host(shape, strategy)
+    loading = ranks * (loaded + HOST_BYTES_PER_RANK) if loaded else 0
     return max(steady, loading), ranks * states.nvme_per_rank
 
 

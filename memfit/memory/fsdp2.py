@@ -46,6 +46,22 @@ sharded gradient and the second layer's reduce-scatter input) and the root's red
 (every layer's sharded gradient, the root's unsharded gradients and its r x R input buffer: for Llama 3.1
 8B with fp32 reduction 2 + 4 bytes x 1.05B = 6.3 GB).
 
+With the optimizer step in backward (``optimizer_in_backward``) FSDP2 calls each sharded parameter's
+post-accumulate-grad hook inside ``foreach_reduce``, right after its group's reduce-scatter; the hook steps
+that parameter's AdamW and sets its ``.grad`` to None, so the group's reduce output (the ``as_strided``
+views' storage) is released when ``foreach_reduce`` returns: no sharded gradient outlives its group's
+post-backward, and the resident gradients are those of at most one group (the root's output replaces its
+unsharded gradients at the end of the backward, where the head's step adds its foreach AdamW temporary,
+one shard of V x h).
+
+QLoRA (the FSDP-QLoRA recipe): the trainer stores the 4-bit codes of the frozen base in bf16 elements
+(``bnb_4bit_quant_storage``, four codes per element), so ``fully_shard`` shards and gathers them like any
+bf16 weight: each rank holds 1/N of the packed codes (half a byte per parameter) and a layer's all-gather
+moves its packed codes plus its other parameters at c bytes. The quant states (absmax per 64-block, the
+fp32 scale per 256 blocks, the code tables) are attributes of each ``Linear4bit``, not parameters: every
+rank keeps all of them (:func:`replicated_quant_states`), on the GPU even under offload. The bf16 weight
+``bnb.matmul_4bit`` dequantizes, one linear at a time, is not counted (nor is it on the DeepSpeed path).
+
 ``CPUOffloadPolicy`` (offload = cpu) keeps the sharded parameters, gradients and optimizer states in
 pinned host memory and steps the optimizer there: the GPU keeps only what is gathered, the unsharded
 gradients and the reduce-scatter buffers (each group's sharded gradient is copied to the host as soon as
@@ -63,8 +79,10 @@ from memfit.memory.states import (
     BF16,
     ELEMENTWISE_STATES,
     FP32,
+    NF4_PACKED_BYTES_PER_PARAMETER,
     ModelStates,
     compute_bytes,
+    nf4_quant_state_bytes,
     optimizer_state_bytes,
     trainable_split,
 )
@@ -82,7 +100,8 @@ class Fsdp2Widths:
     sharded_trained: int
     """A trained parameter's shard (the parameter's own dtype: what ``fully_shard`` was given)."""
     sharded_frozen: int
-    """A frozen parameter's shard (LoRA's base stays in the compute dtype)."""
+    """A frozen parameter's shard (LoRA's base stays in the compute dtype; QLoRA's 4-bit weights are
+    :func:`packed_bytes` instead)."""
     gathered: int
     """An all-gathered parameter (``MixedPrecisionPolicy.param_dtype``) and its autograd gradient."""
     reduce: int
@@ -106,6 +125,8 @@ class Fsdp2Groups:
     root_trained: int
     layer: int
     """One decoder layer, frozen base included."""
+    layer_quantized: int
+    """QLoRA: the layer's 4-bit weights (part of ``layer``), sharded and gathered as packed codes."""
     layer_trained: int
     head: int
     """The LM head's weight (the embedding's when tied), whose gradient is made first in backward."""
@@ -118,9 +139,23 @@ def fsdp2_groups(shape: ModelShape, method: Method, lora_rank: int, lora_targets
     )
     layer = shape.layer_parameters
     if method == Method.FULL:
-        return Fsdp2Groups(root, root, layer, layer, shape.vocab_size * shape.hidden_size, shape.num_layers)
+        return Fsdp2Groups(root, root, layer, 0, layer, shape.vocab_size * shape.hidden_size, shape.num_layers)
     adapters = shape.lora_parameters(lora_rank, lora_targets) // shape.num_layers
-    return Fsdp2Groups(root, 0, layer + adapters, adapters, 0, shape.num_layers)
+    quantized = shape.quantizable_parameters // shape.num_layers if method == Method.QLORA else 0
+    return Fsdp2Groups(root, 0, layer + adapters, quantized, adapters, 0, shape.num_layers)
+
+
+def packed_bytes(quantized: int) -> int:
+    """The packed 4-bit codes of ``quantized`` parameters (two per byte)."""
+    return int(quantized * NF4_PACKED_BYTES_PER_PARAMETER)
+
+
+def replicated_quant_states(shape: ModelShape, method: Method) -> int:
+    """QLoRA: the quant states of every 4-bit weight, which each rank keeps whole (module docstring)."""
+    if method != Method.QLORA:
+        return 0
+    per_layer = sum(m.count * nf4_quant_state_bytes(m.in_features * m.out_features) for m in shape.quantizable_linears)
+    return shape.num_layers * per_layer
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +206,11 @@ class Fsdp2Step:
     forward_loss_bytes_per_logit: int
     """The forward's cross-entropy: the 16-bit logits, their fp32 upcast and log-softmax output."""
     chunked_loss: bool
+    optimizer_in_backward: bool = False
+    """Each group's sharded gradient is stepped on and freed in its own post-backward (module docstring)."""
+    head_step_temporary: int = 0
+    """With the step in backward, on the GPU: the foreach AdamW step's ``sqrt(exp_avg_sq)`` of the LM head's
+    (or the embedding's) shard, while the root's reduce buffers are still held."""
 
     def moments(self, activations: ActivationEstimate, grads_persist: bool) -> tuple[Fsdp2Moment, ...]:
         """The forward's loss, the root's re-gather at the backward's first hook (resharding), the backward's
@@ -181,7 +221,14 @@ class Fsdp2Step:
         all_sharded = layers_sharded + self.root_sharded_gradient
 
         def done(layers: int) -> int:
+            if self.optimizer_in_backward:
+                return 0  # stepped on and freed in each group's post-backward
             return all_sharded if grads_persist else layers * self.layer_sharded_gradient
+
+        # The root's post-backward: its unsharded gradients, then (stepped in backward) its reduce output.
+        root_gradients = self.root_gradient
+        if self.optimizer_in_backward:
+            root_gradients = max(root_gradients, self.root_sharded_gradient) + self.head_step_temporary
 
         kept = self.layers * self.layer if not self.reshard_after_forward else 0
         # transformers' loss: logits.float() and log_softmax in forward; at the backward's first hook only the
@@ -222,7 +269,7 @@ class Fsdp2Step:
             ),
             # The root's post-backward: resharded, its gradients copied into its reduce-scatter input (the
             # first layer's is released just before).
-            Fsdp2Moment(0, done(self.layers) + self.root_gradient + self.root_reduce_input, a.backward_end),
+            Fsdp2Moment(0, done(self.layers) + root_gradients + self.root_reduce_input, a.backward_end),
         ]
         return tuple(moments)
 
@@ -236,7 +283,7 @@ def fsdp2_step(shape: ModelShape, strategy: Strategy, lora_rank: int, lora_targe
     sharded = 0 if strategy.offload_parameters != Offload.NONE else r  # under offload it goes to the host
     return Fsdp2Step(
         root=c * g.root,
-        layer=c * g.layer,
+        layer=c * (g.layer - g.layer_quantized) + packed_bytes(g.layer_quantized),
         layers=g.layers,
         reshard_after_forward=strategy.zero_stage == 3,
         head_gradient=c * g.head,
@@ -250,20 +297,27 @@ def fsdp2_step(shape: ModelShape, strategy: Strategy, lora_rank: int, lora_targe
         logit_tokens_per_between=shape.vocab_size / (shape.hidden_size * c),
         forward_loss_bytes_per_logit=c + FP32 + (FP32 if c != FP32 else 0),
         chunked_loss=strategy.chunked_loss,
+        optimizer_in_backward=strategy.optimizer_in_backward,
+        head_step_temporary=w.sharded_trained * g.head // n if strategy.optimizer_in_backward and sharded else 0,
     )
 
 
 def fsdp2_model_states(
     shape: ModelShape, strategy: Strategy, lora_rank: int, lora_targets: tuple[str, ...]
 ) -> ModelStates:
-    """One rank's sharded parameters, gradients (all of them, as in the optimizer step) and optimizer states;
-    with ``CPUOffloadPolicy`` all three on the host. The gathered working set is in :func:`fsdp2_moments`."""
+    """One rank's sharded parameters, gradients (all of them, as in the optimizer step; with the step in
+    backward one group's) and optimizer states; with ``CPUOffloadPolicy`` all three on the host. The gathered
+    working set is in :func:`fsdp2_moments`."""
     split = trainable_split(shape, strategy.method, lora_rank, lora_targets)
     w = fsdp2_widths(strategy)
     n = strategy.gpus
-    frozen = split.frozen_unquantized + split.frozen_quantized
-    weights = (frozen * w.sharded_frozen + split.trainable * w.sharded_trained) / n
+    frozen = split.frozen_unquantized * w.sharded_frozen + packed_bytes(split.frozen_quantized)
+    weights = (frozen + split.trainable * w.sharded_trained) / n
+    quant_states = replicated_quant_states(shape, strategy.method)
     grads = split.trainable * w.reduce / n
+    if strategy.optimizer_in_backward:  # what stays: one group's sharded gradient while its parameters step
+        g = fsdp2_groups(shape, strategy.method, lora_rank, lora_targets)
+        grads = max(g.root_trained, g.layer_trained) * w.reduce / n
     if strategy.optimizer in ELEMENTWISE_STATES:  # zeros_like(sharded param): the shard's dtype
         optimizer = split.trainable * ELEMENTWISE_STATES[strategy.optimizer] * w.sharded_trained / n
     else:  # per tensor on its local shard (Adafactor); bitsandbytes is refused on fsdp2
@@ -272,9 +326,9 @@ def fsdp2_model_states(
         )
         optimizer = (states.device + states.paged) / n
     if strategy.offload_parameters != Offload.NONE:
-        return ModelStates(0, 0, 0, 0, cpu_per_rank=int(weights + grads + optimizer), nvme_per_rank=0)
+        return ModelStates(quant_states, 0, 0, 0, cpu_per_rank=int(weights + grads + optimizer), nvme_per_rank=0)
     return ModelStates(
-        parameters=int(weights),
+        parameters=int(weights) + quant_states,
         gradients=int(grads),
         step_gradients=0,
         optimizer_states=int(optimizer),

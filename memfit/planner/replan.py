@@ -7,7 +7,10 @@ like the failed one no longer fits, with LEANER_BY to spare. The order the issue
 falls out of the planner's ranking under that tighter limit: first what keeps the checkpoint layout
 (gradient checkpointing, a smaller micro-batch, offload: the same method, precision, ZeRO stage and GPU
 count, so the run resumes from its checkpoint), then anything else that fits (a higher ZeRO stage, other
-GPU counts, and a lighter method only when the spec says `auto`), which restarts from the weights.
+GPU counts, and a lighter method only when the spec says `auto`). After a layout change the trainer resumes
+from the last checkpoint converted to the new layout where
+:meth:`~memfit.contract.layout.CheckpointLayout.converts_to` says a conversion exists (another ZeRO stage or
+GPU count, DeepSpeed to fsdp2), and from the weights where none does (a method or precision change).
 """
 
 from __future__ import annotations

@@ -88,10 +88,11 @@ class _Evaluated:
     def strategy(self) -> Strategy:
         t = self.template
         return _rebuilt(t, self.micro_batch_size, self.gradient_accumulation_steps, t.chunked_loss,
-                        t.activation_offloading)  # fmt: skip
+                        t.activation_offloading, t.optimizer_in_backward)  # fmt: skip
 
 
-def _rebuilt(t: Strategy, micro: int, accumulation: int, chunked_loss: bool, activation_offloading: bool) -> Strategy:
+def _rebuilt(t: Strategy, micro: int, accumulation: int, chunked_loss: bool, activation_offloading: bool,
+             optimizer_in_backward: bool) -> Strategy:  # fmt: skip
     """``t`` with these knobs, built field by field: dataclasses.replace is several times slower (inner loop)."""
     return Strategy(
         method=t.method, pool=t.pool, nodes=t.nodes, gpus_per_node=t.gpus_per_node, zero_stage=t.zero_stage,
@@ -99,7 +100,7 @@ def _rebuilt(t: Strategy, micro: int, accumulation: int, chunked_loss: bool, act
         gradient_checkpointing=t.gradient_checkpointing, micro_batch_size=micro,
         gradient_accumulation_steps=accumulation, precision=t.precision, optimizer=t.optimizer,
         attention=t.attention, chunked_loss=chunked_loss, activation_offloading=activation_offloading,
-        master_weights=t.master_weights, engine=t.engine,
+        master_weights=t.master_weights, engine=t.engine, optimizer_in_backward=optimizer_in_backward,
     )  # fmt: skip
 
 
@@ -130,7 +131,9 @@ class _Search:
     exclude: Collection[str]
     fits: list[_Fit] = field(default_factory=list)
     nearest_misses: dict[tuple[str, int, int, str], _Evaluated] = field(default_factory=dict)
-    static: dict[tuple[str, int, Offload, Offload, int, int, str, str, str], StaticMemory] = field(default_factory=dict)
+    static: dict[tuple[str, int, Offload, Offload, int, int, str, str, str, bool], StaticMemory] = field(
+        default_factory=dict
+    )
     activations: dict[tuple[str, str, bool, int, Attention, bool, bool], ActivationEstimate] = field(
         default_factory=dict
     )
@@ -139,7 +142,7 @@ class _Search:
     options: dict[tuple[str, str, bool, bool, Engine], tuple[tuple[int, Offload, Offload], ...]] = field(
         default_factory=dict
     )
-    variants: dict[tuple[bool, bool], list[tuple[bool, bool]]] = field(default_factory=dict)
+    variants: dict[tuple[bool, bool, Engine], list[_Variant]] = field(default_factory=dict)
     fastest: dict[str, list[float]] = field(default_factory=dict)
     """Per method, a min-heap of the MAX_CANDIDATES best speeds of plans without techniques found so far:
     knobs whose best case is slower than all of them cannot be reported, and are not evaluated."""
@@ -154,11 +157,11 @@ class _Search:
             options = self.options[key] = tuple(_zero_options(self, method, precision, capacity, gpus, engine))
         return options
 
-    def technique_variants(self, zero_stage: int, checkpointing: bool) -> list[tuple[bool, bool]]:
-        key = (zero_stage == 3, checkpointing)
+    def technique_variants(self, zero_stage: int, checkpointing: bool, engine: Engine) -> list[_Variant]:
+        key = (zero_stage == 3, checkpointing, engine)
         variants = self.variants.get(key)
         if variants is None:
-            variants = self.variants[key] = _technique_variants(self.spec, zero_stage, checkpointing)
+            variants = self.variants[key] = _technique_variants(self.spec, zero_stage, checkpointing, engine)
         return variants
 
     def outpaced(self, plain: Strategy, largest_micro: int, capacity: PoolCapacity) -> bool:
@@ -167,7 +170,8 @@ class _Search:
         heap = self.fastest.get(plain.method)
         if heap is None or len(heap) < MAX_CANDIDATES:
             return False
-        best_case = _rebuilt(plain, largest_micro, 1, plain.chunked_loss, plain.activation_offloading)
+        best_case = _rebuilt(plain, largest_micro, 1, plain.chunked_loss, plain.activation_offloading,
+                             plain.optimizer_in_backward)  # fmt: skip
         trainable = self.static_memory(plain).trainable
         step = step_seconds(self.shape, best_case, capacity, self.sequence_length, trainable)
         return best_case.gpus * largest_micro * self.sequence_length / step < heap[0]
@@ -192,7 +196,7 @@ class _Search:
     def static_memory(self, template: Strategy) -> StaticMemory:
         key = (template.method, template.zero_stage, template.offload_optimizer, template.offload_parameters,
                template.nodes, template.gpus_per_node, template.precision, template.master_weights,
-               template.engine)  # fmt: skip
+               template.engine, template.optimizer_in_backward)  # fmt: skip
         if key not in self.static:
             self.static[key] = static_memory(self.shape, template, self.lora)
         return self.static[key]
@@ -399,7 +403,9 @@ def _pinned_conflicts(search: _Search, method: PlannedMethod) -> bool:
                                   pinned.offload_parameters, spec.training.optimizer, pinned.chunked_loss,
                                   gradient_checkpointing=pinned.gradient_checkpointing,
                                   activation_offloading=pinned.activation_offloading,
-                                  master_weights=search.master_weights, engine=pinned.engine)  # fmt: skip
+                                  master_weights=search.master_weights, engine=pinned.engine,
+                                  optimizer_in_backward=pinned.optimizer_in_backward,
+                                  clips_gradients=spec.training.max_grad_norm > 0)  # fmt: skip
 
     stages = [pinned.zero_stage] if pinned.zero_stage is not None else [0, 1, 2, 3]
     per_stage = [conflicts(stage) for stage in stages]
@@ -451,7 +457,8 @@ def _zero_options(
                 continue
             for params in _pinned_or(pinned.offload_parameters, devices if stage == 3 else [Offload.NONE]):
                 if strategy_conflicts(method, precision, stage, opt, params, optimizer, pinned.chunked_loss,
-                                      master_weights=search.master_weights, engine=engine):  # fmt: skip
+                                      master_weights=search.master_weights, engine=engine,
+                                      optimizer_in_backward=pinned.optimizer_in_backward):  # fmt: skip
                     continue
                 single_gpu_duplicate = (
                     gpus == 1
@@ -499,17 +506,17 @@ def _search_pool(search: _Search, capacity: PoolCapacity, method: PlannedMethod)
             options = search.zero_options(method, precision, capacity, nodes * per_node, engine)
             for stage, opt, params in options:
                 for ckpt in checkpointing:
-                    variants = search.technique_variants(stage, ckpt)
+                    variants = search.technique_variants(stage, ckpt, engine)
                     if not variants or (fitted and _dominated(fitted, stage, opt, params, ckpt, micro_batches[0])):
                         continue
-                    chunked, offloaded = variants[0]
+                    chunked, offloaded, in_backward = variants[0]
                     plain = Strategy(
                         method=method, pool=capacity.name, nodes=nodes, gpus_per_node=per_node,
                         zero_stage=stage, offload_optimizer=opt, offload_parameters=params,
                         gradient_checkpointing=ckpt, micro_batch_size=1, gradient_accumulation_steps=1,
                         precision=precision, optimizer=spec.training.optimizer, attention=attention,
                         chunked_loss=chunked, activation_offloading=offloaded, master_weights=search.master_weights,
-                        engine=engine,
+                        engine=engine, optimizer_in_backward=in_backward,
                     )  # fmt: skip
                     if search.outpaced(plain, micro_batches[0], capacity):
                         continue
@@ -520,14 +527,23 @@ def _search_pool(search: _Search, capacity: PoolCapacity, method: PlannedMethod)
         search.untried.add(Untried(pool=capacity.name, method=None, cause=Untried.no_layout(spec)))
 
 
-def _technique_variants(spec: FineTuneJobSpec, zero_stage: int, checkpointing: bool) -> list[tuple[bool, bool]]:
-    """(chunked loss, activation offloading) combinations of the techniques that trade speed for memory (the
-    pinned value, or off then on), cheapest first: the chunked loss (a recomputed LM head), then activation
-    offloading (PCIe copies, checkpointed layers only), then both."""
+_Variant = tuple[bool, bool, bool]
+"""(chunked loss, activation offloading, optimizer in backward)."""
+
+
+def _technique_variants(spec: FineTuneJobSpec, zero_stage: int, checkpointing: bool, engine: Engine) -> list[_Variant]:
+    """Combinations of the memory-saving techniques (the pinned value, or off then on), cheapest first: the
+    chunked loss (a recomputed LM head), then activation offloading (PCIe copies, checkpointed layers only),
+    then both; each without, then with the optimizer step in backward (no time: the same work moved into the
+    backward), which runs where the job allows it: fsdp2, no gradient clipping (accumulation 1:
+    :func:`_largest_fitting_micro_batch`)."""
     pinned = spec.strategy
     chunked = [pinned.chunked_loss] if pinned.chunked_loss is not None else [False, True]
     offloaded = [pinned.activation_offloading] if pinned.activation_offloading is not None else [False, True]
-    return [(c, o) for o in offloaded for c in chunked if not (c and zero_stage == 3) and not (o and not checkpointing)]
+    allowed = engine == Engine.FSDP2 and spec.training.max_grad_norm == 0
+    in_backward = [pinned.optimizer_in_backward] if pinned.optimizer_in_backward is not None else [False, allowed]
+    return [(c, o, b) for o in offloaded for c in chunked for b in dict.fromkeys(in_backward)
+            if not (c and zero_stage == 3) and not (o and not checkpointing)]  # fmt: skip
 
 
 def _fit_knobs(
@@ -535,15 +551,15 @@ def _fit_knobs(
     capacity: PoolCapacity,
     limit: int,
     plain: Strategy,
-    variants: list[tuple[bool, bool]],
+    variants: list[_Variant],
     micro_batches: list[int],
     per_gpu_batch: int,
 ) -> int | None:
     """The largest micro-batch one knob combination fits, recording the fits: ``plain`` first, then each
-    technique variant (chunked loss, activation offloading), only where the ones before it fall short of
-    the largest micro-batch, recorded only where it fits a larger one: a technique is chosen where it makes
-    a plan fit, or a faster one. They only shrink activations, so none is tried where the model states
-    alone do not fit."""
+    technique variant (chunked loss, activation offloading, optimizer in backward), only where the ones before
+    it fall short of the largest micro-batch, recorded only where it fits a larger one: a technique is chosen
+    where it makes a plan fit, or a faster one. They shrink activations and gradients, neither of which is in
+    the model states' floor, so none is tried where the floor does not fit."""
     bf16_masters = plain.master_weights == MasterWeights.BF16 and search.spec.strategy.master_weights is None
     best = _largest_fitting_micro_batch(search, capacity, limit, plain, micro_batches, per_gpu_batch,
                                         chosen=_Chosen((), None, bf16_masters) if bf16_masters else None)  # fmt: skip
@@ -553,8 +569,8 @@ def _fit_knobs(
     if not _fits_gpu(search, limit, _rebuilt(plain, 1, 1, *variants[-1]), larger[-1], per_gpu_batch):
         return best  # not even every technique together fits a larger micro-batch (they only save GPU memory)
     without = best
-    for chunked, offloaded in variants:
-        variant = _rebuilt(plain, 1, 1, chunked, offloaded)
+    for chunked, offloaded, in_backward in variants:
+        variant = _rebuilt(plain, 1, 1, chunked, offloaded, in_backward)
         added = _Chosen(_added_techniques(plain, variant), without, bf16_masters)
         micro = _largest_fitting_micro_batch(search, capacity, limit, variant, micro_batches, per_gpu_batch,
                                              must_beat=best or 0, chosen=added)  # fmt: skip
@@ -581,6 +597,8 @@ def _added_techniques(plain: Strategy, variant: Strategy) -> tuple[str, ...]:
         names.append("chunked loss")
     if variant.activation_offloading and not plain.activation_offloading:
         names.append("activation offloading")
+    if variant.optimizer_in_backward and not plain.optimizer_in_backward:
+        names.append("optimizer step in backward")
     return tuple(names)
 
 
@@ -638,6 +656,10 @@ def _largest_fitting_micro_batch(
     ``per_gpu_batch`` (sequences per GPU per optimizer step) sets the accumulation of each micro-batch;
     with ``must_beat`` (0: any) a fit is recorded only when its micro-batch is larger, and nothing is tried
     where the host falls short (another attempt of the same knobs recorded that miss)."""
+    if template.optimizer_in_backward:  # a gradient must be final when made: one micro-batch per step
+        micro_batches = [micro for micro in micro_batches if micro == per_gpu_batch]
+        if not micro_batches:
+            return None
     static = search.static_memory(template)
     trainable = static.trainable
     if must_beat is not None:

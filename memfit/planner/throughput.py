@@ -157,7 +157,9 @@ def step_seconds(
 ) -> float:
     """Estimated seconds of one optimizer step. With the batch fixed it is shortest at the largest
     micro-batch (no accumulation): bigger micro-batches use the GPU better, and ZeRO-2/3 communicate
-    and offloaded weights travel once per micro-batch."""
+    and offloaded weights travel once per micro-batch. The optimizer step in backward
+    (``optimizer_in_backward``) is the same optimizer work and traffic moved into the backward pass: it
+    changes the step's memory, not its time, so nothing here depends on it."""
     micro_tokens = strategy.micro_batch_size * sequence_length
     efficiency = PEAK_EFFICIENCY * micro_tokens / (micro_tokens + HALF_EFFICIENCY_TOKENS)
     flops = _training_flops_per_token(shape, strategy, sequence_length) * micro_tokens

@@ -51,7 +51,7 @@ def deepspeed_config(spec: FineTuneJobSpec, strategy: Strategy) -> dict[str, Any
     conflicts = strategy_conflicts(
         s.method, s.precision, s.zero_stage, s.offload_optimizer, s.offload_parameters, s.optimizer, s.chunked_loss,
         gradient_checkpointing=s.gradient_checkpointing, activation_offloading=s.activation_offloading,
-        master_weights=s.master_weights,
+        master_weights=s.master_weights, engine=s.engine, optimizer_in_backward=s.optimizer_in_backward,
     )  # fmt: skip
     if conflicts:
         raise ValueError(f"strategy {strategy.summary()!r} cannot run as planned: " + "; ".join(conflicts))

@@ -15,7 +15,8 @@ def fsdp2_config(strategy: Strategy) -> Fsdp2Config:
     conflicts = strategy_conflicts(s.method, s.precision, s.zero_stage, s.offload_optimizer, s.offload_parameters,
                                    s.optimizer, s.chunked_loss, gradient_checkpointing=s.gradient_checkpointing,
                                    activation_offloading=s.activation_offloading, master_weights=s.master_weights,
-                                   engine=s.engine)  # fmt: skip
+                                   engine=s.engine, optimizer_in_backward=s.optimizer_in_backward,
+                                   gradient_accumulation_steps=s.gradient_accumulation_steps)  # fmt: skip
     if conflicts:
         raise ValueError(f"strategy {s.summary()!r} cannot run as planned: " + "; ".join(conflicts))
     pure_bf16 = s.master_weights == MasterWeights.BF16 or s.precision == Precision.FP32
@@ -23,4 +24,5 @@ def fsdp2_config(strategy: Strategy) -> Fsdp2Config:
         reshard_after_forward=s.zero_stage == 3,
         cpu_offload=s.offload_parameters == Offload.CPU,
         reduce_dtype=Precision.BF16 if pure_bf16 and s.precision == Precision.BF16 else Precision.FP32,
+        optimizer_in_backward=s.optimizer_in_backward,
     )

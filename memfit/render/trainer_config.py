@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from memfit.api.finetunejob import FineTuneJob
+from memfit.api.finetunejob import DatasetSpec, FineTuneJob, ModelSpec
 from memfit.api.plan import PlanCandidate
 from memfit.api.vocabulary import Engine
 from memfit.contract.trainer_config import (
@@ -25,6 +25,7 @@ from memfit.contract.trainer_config import (
     PredictionConfig,
     TrainerConfig,
     TrainingConfig,
+    ValidationConfig,
     VolumesConfig,
 )
 from memfit.render.deepspeed import deepspeed_config, default_learning_rate
@@ -68,6 +69,49 @@ def inside(root: str, path: str | None) -> str:
     return joined
 
 
+def _on_claim(model: ModelSpec) -> bool:
+    return model.source is not None and model.source.pvc is not None
+
+
+def model_config(model: ModelSpec, model_volume: str | None) -> ModelConfig:
+    """The model as the trainer loads it: weights and tokenizer inside the model volume when they are on a
+    claim (mounted at ``model_volume``), else the Hub ids as given."""
+    name_or_path, tokenizer = model.name, model.tokenizer
+    if _on_claim(model) and model_volume is not None:
+        assert model.source is not None  # _on_claim
+        name_or_path = inside(model_volume, model.source.path)
+        tokenizer = inside(model_volume, tokenizer) if tokenizer is not None else None
+    return ModelConfig(
+        name_or_path=name_or_path,
+        random_init=model.random_init,
+        architecture=model.architecture.shape(),
+        tokenizer=tokenizer,
+    )
+
+
+def data_config(dataset: DatasetSpec, data_volume: str) -> DataConfig:
+    """The dataset as the trainer reads it: paths inside the data volume (validation files on the same one)."""
+    validation = dataset.validation
+    return DataConfig(
+        path=inside(data_volume, dataset.source.path),
+        format=dataset.format,
+        text_field=dataset.text_field,
+        messages_field=dataset.messages_field,
+        prompt_field=dataset.prompt_field,
+        completion_field=dataset.completion_field,
+        train_on=dataset.train_on,
+        packing=dataset.packing,
+        validation=None
+        if validation is None
+        else ValidationConfig(
+            fraction=validation.fraction,
+            path=inside(data_volume, validation.path) if validation.path is not None else None,
+            every_steps=validation.every_steps,
+        ),
+        streaming=dataset.streaming,
+    )
+
+
 def render_trainer_config(
     job: FineTuneJob,
     plan: PlanCandidate,
@@ -77,25 +121,14 @@ def render_trainer_config(
     termination_log: str = "/dev/termination-log",
 ) -> TrainerConfig:
     spec, strategy = job.spec, plan.strategy
-    shape = spec.model.architecture.shape()
-    source = spec.model.source
-    model_volume = None
-    if source is not None and source.pvc is not None and mounts.model is not None:
-        name_or_path, model_volume = inside(mounts.model, source.path), mounts.model
-    else:
-        name_or_path = spec.model.name
+    model = model_config(spec.model, mounts.model)
+    model_volume = mounts.model if _on_claim(spec.model) else None
     training = spec.training
     memory = plan.memory.per_gpu
     return TrainerConfig(
         job=f"{job.metadata.namespace or 'default'}/{job.metadata.name}",
-        model=ModelConfig(name_or_path=name_or_path, random_init=spec.model.random_init, architecture=shape),
-        data=DataConfig(
-            path=inside(mounts.data, spec.dataset.source.path),
-            format=spec.dataset.format,
-            text_field=spec.dataset.text_field,
-            messages_field=spec.dataset.messages_field,
-            streaming=spec.dataset.streaming,
-        ),
+        model=model,
+        data=data_config(spec.dataset, mounts.data),
         training=TrainingConfig(
             method=strategy.method,
             sequence_length=training.sequence_length,

@@ -3,8 +3,8 @@
 Trainer pods have no API access (they need none), so the operator fetches the progress series of the
 current attempt's rank 0 (the names are the trainer's, memfit.contract.progress) and turns them into
 ``status.progress``. Tokens per second: rank 0's recent rate times the world size, the same estimate the
-trainer's progress file gives. Nothing here invents a number: a series the trainer has not exported yet
-stays null.
+trainer's progress file gives; the validation loss is already the mean over all ranks. Nothing here invents
+a number: a series the trainer has not exported yet (or a NaN validation loss) stays null.
 
 A pod's address is only as trustworthy as the pod: only a pod the job controls (its owner reference carries
 the job's uid; labels alone can be copied by anyone who may create pods) is scraped, the reply is bounded in
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -31,6 +32,8 @@ from memfit.contract.progress import (
     STEP_METRIC,
     TOKENS_PER_SECOND_METRIC,
     TOTAL_STEPS_METRIC,
+    VALIDATION_LOSS_METRIC,
+    VALIDATION_STEP_METRIC,
 )
 from memfit_operator.objects import RANK_LABEL, owned_by
 
@@ -60,6 +63,8 @@ def parse_trainer_metrics(text: str, world_size: int, now: datetime) -> Progress
     eta_seconds = values.get(ETA_METRIC)
     rate = values.get(TOKENS_PER_SECOND_METRIC)
     checkpoint = values.get(CHECKPOINT_STEP_METRIC)
+    validation_loss = values.get(VALIDATION_LOSS_METRIC)
+    validation_step = values.get(VALIDATION_STEP_METRIC)
     return Progress(
         step=step,
         total_steps=total,
@@ -67,6 +72,8 @@ def parse_trainer_metrics(text: str, world_size: int, now: datetime) -> Progress
         tokens_per_second=round(rate * world_size, 1) if rate is not None else None,
         eta=_rfc3339(now + timedelta(seconds=eta_seconds)) if eta_seconds is not None else None,
         last_checkpoint_step=int(checkpoint) if checkpoint is not None else None,
+        validation_loss=validation_loss if validation_loss is not None and math.isfinite(validation_loss) else None,
+        validation_step=int(validation_step) if validation_step is not None else None,
         updated=_rfc3339(now),
     )
 

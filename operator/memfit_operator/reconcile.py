@@ -163,7 +163,7 @@ def reconcile(observation: Observation, image: str, options: TrainerOptions | No
             resuming = "spec.suspend is false: resuming from the last checkpoint"
             run.condition(ConditionType.SUSPENDED, False, Reason.RESUMED, resuming)
             run.event("Normal", Reason.RESUMED, resuming)
-        _launch(run, job, status.plan, Phase.LAUNCHING, layout_kept=True)
+        _launch(run, job, status.plan, Phase.LAUNCHING, checkpoint_carries=True)
         return run.decision
     _follow(run, job, status.plan, current)
     return run.decision
@@ -177,9 +177,13 @@ def _remove_stale_pods(run: _Pass, current: Attempt | None) -> None:
 
 
 def _record_progress(status: FineTuneJobStatus, progress: Progress) -> None:
+    """A restarted trainer reports no checkpoint or validation loss until its first: the last known stay."""
     previous = status.progress
     if previous is not None and progress.last_checkpoint_step is None:
         progress = progress.model_copy(update={"last_checkpoint_step": previous.last_checkpoint_step})
+    if previous is not None and progress.validation_step is None:
+        kept = {"validation_loss": previous.validation_loss, "validation_step": previous.validation_step}
+        progress = progress.model_copy(update=kept)
     status.progress = progress
     status.progress_display = progress_display(progress.step, progress.total_steps)
 
@@ -269,8 +273,9 @@ def _pool(run: _Pass, name: str) -> GPUPool | None:
     return next((p for p in run.observation.pools if p.metadata.name == name), None)
 
 
-def _launch(run: _Pass, job: FineTuneJob, plan: PlanCandidate, phase: Phase, layout_kept: bool) -> None:
-    """Start a new attempt: record it in status first, then create its objects."""
+def _launch(run: _Pass, job: FineTuneJob, plan: PlanCandidate, phase: Phase, checkpoint_carries: bool) -> None:
+    """Start a new attempt: record it in status first, then create its objects (``checkpoint_carries``: the
+    trainer resumes from the last checkpoint, of this layout or converted from the previous one)."""
     status = run.status
     pool = _pool(run, plan.strategy.pool)
     if pool is None:  # the pool was deleted since planning: plan again on the next pass
@@ -284,8 +289,8 @@ def _launch(run: _Pass, job: FineTuneJob, plan: PlanCandidate, phase: Phase, lay
     except ValueError as error:  # the renderer refuses what validation let through (say, a stored plan)
         _unrenderable(run, plan, error)
         return
-    resumed = status.progress.last_checkpoint_step if status.progress is not None and layout_kept else None
-    if status.progress is not None and not layout_kept:
+    resumed = status.progress.last_checkpoint_step if status.progress is not None and checkpoint_carries else None
+    if status.progress is not None and not checkpoint_carries:
         status.progress = status.progress.model_copy(update={"last_checkpoint_step": None})
     status.attempts.append(
         Attempt(
@@ -439,7 +444,7 @@ def _restart(
     status.restarts += 1
     run.decision.restarted = True
     run.event("Warning", Reason.RANK_FAILED, f"{why}; gang restart {status.restarts}/{job.spec.max_restarts}")
-    _launch(run, job, plan, Phase.RESTARTING, layout_kept=True)
+    _launch(run, job, plan, Phase.RESTARTING, checkpoint_carries=True)
 
 
 def _replan_after_oom(
@@ -461,13 +466,16 @@ def _replan_after_oom(
     run.decision.replanned_after_oom = True
     _adopt_plan(run, result.chosen)
     was, now = memory_per_gpu(plan), memory_per_gpu(result.chosen)
+    # The trainer converts the last checkpoint where the layouts allow it (the same pure rule decides there).
+    unconvertible = checkpoint_layout(plan).converts_to(checkpoint_layout(result.chosen))
+    change = f"the checkpoint layout changes ({_layout(plan)} -> {_layout(result.chosen)})"
     keeps = ("the checkpoint layout is unchanged: resuming from the last checkpoint" if layout_kept else
-             f"the checkpoint layout changes ({_layout(plan)} -> {_layout(result.chosen)}): starting from the "
-             "model weights")  # fmt: skip
+             f"{change}: resuming from the last checkpoint, converted to the new layout" if unconvertible is None
+             else f"{change}: starting from the model weights, no conversion exists ({unconvertible})")  # fmt: skip
     chosen = result.chosen.strategy.summary()
     count = f"{status.replans}/{job.spec.max_replans}"
     run.event("Normal", Reason.REPLANNED, f"re-plan {count}: {chosen} (estimated {now} per GPU, was {was}); {keeps}")
-    _launch(run, job, result.chosen, Phase.RESTARTING, layout_kept=layout_kept)
+    _launch(run, job, result.chosen, Phase.RESTARTING, checkpoint_carries=unconvertible is None)
 
 
 def _layout(plan: PlanCandidate) -> str:

@@ -73,7 +73,7 @@ def api(server: ApiServer) -> client.ApiClient:
 @pytest.fixture(scope="module")
 def rank0(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrainerMetrics]:
     """The trainer's own exporter on a free port, standing in for rank 0 of every running job (pod IP
-    127.0.0.1): 30 of 120 steps done, a checkpoint at step 25."""
+    127.0.0.1): 30 of 120 steps done, a checkpoint at step 25, a validation loss at step 20."""
     config_ = trainer_config(tmp_path_factory.mktemp("rank0") / "progress.json")
     metrics = TrainerMetrics(config_, rank=0, world_size=8, port=0, device=torch.device("cpu"))
     for step in range(1, 31):
@@ -81,6 +81,8 @@ def rank0(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrainerMetrics]:
                      step_seconds=0.5)  # fmt: skip
         if step == 25:
             metrics.checkpoint(step=25, seconds=3.0)
+        if step == 20:
+            metrics.validation(step=20, loss=1.75, seconds=2.0)
     yield metrics
     metrics.close()
 
@@ -233,6 +235,7 @@ def test_running_reports_progress_then_succeeds(
     progress = job["status"]["progress"]
     assert (progress["step"], progress["totalSteps"], progress["percent"]) == (30, 120, 25)
     assert progress["lastCheckpointStep"] == 25
+    assert (progress["validationLoss"], progress["validationStep"]) == (1.75, 20)
     assert progress["tokensPerSecond"] == pytest.approx(8192 / 0.5 * 8)  # rank 0's rate x 8 ranks
     assert job["status"]["progressDisplay"] == "25% 30/120"
 

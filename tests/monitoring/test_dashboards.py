@@ -87,3 +87,13 @@ def test_job_dashboard_covers_what_the_issue_asks() -> None:
     for series in ("memfit_operator_jobs", "memfit_job_gpus", "memfit_train_tokens_per_second",
                    "memfit_operator_oom_replans_total"):  # fmt: skip
         assert series in fleet
+
+
+def test_job_dashboard_shows_the_validation_loss_beside_the_training_loss() -> None:
+    by_title = {p["title"]: p for p in panels(dashboards()["job.json"])}
+    training, validation = by_title["Loss"], by_title["Validation loss"]
+    assert validation["gridPos"]["y"] == training["gridPos"]["y"]  # the same line of the grid
+    assert validation["gridPos"]["x"] == training["gridPos"]["x"] + training["gridPos"]["w"]
+    assert [t["expr"] for t in validation["targets"]] == [
+        'max(memfit_validation_loss{finetunejob="$finetunejob", rank="0"})'
+    ]

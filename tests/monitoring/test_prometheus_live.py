@@ -3,8 +3,8 @@ operator's metrics, loads the chart's rules, and answers every query of the dash
 
 Targets:
 * the tiny example as `memfit run --local` plans and renders it (two CPU ranks under torchrun), served on a
-  fixed port instead of an ephemeral one, and with far more steps than the test needs: the run lasts until
-  the test stops it, however fast the machine trains;
+  fixed port instead of an ephemeral one, with a validation split, and with far more steps than the test
+  needs: the run lasts until the test stops it, however fast the machine trains;
 * the trainer's own ``TrainerMetrics`` for a job on a "GPU": this machine has none, so PyTorch's CUDA
   allocator readings are stubbed; names, labels and the plan's predictions (with the GPU's peak FLOP/s,
   hence MFU) are the real code's. The GPU memory panels and the memory alerts need this target;
@@ -41,7 +41,7 @@ import torch
 from kubernetes import client, config
 
 from memfit.contract.progress import read_progress
-from memfit.contract.trainer_config import MetricsConfig, PredictionConfig, TrainerConfig
+from memfit.contract.trainer_config import MetricsConfig, PredictionConfig, TrainerConfig, ValidationConfig
 from memfit_trainer.metrics import TrainerMetrics
 from tests.chart.render import ROOT, rule_groups
 from tests.k8s.apiserver import running_apiserver
@@ -72,6 +72,8 @@ H100_BF16_FLOPS = 989e12
 ENDLESS_STEPS = 10_000_000
 """The tiny run's maxSteps here: days of training on any machine. The fixture stops the run when the tests are
 done with it; nothing depends on how fast it trains."""
+VALIDATION = ValidationConfig(fraction=0.1, every_steps=5)
+"""Evaluated by step 5, well before the fixture's step 15."""
 
 
 def free_ports(count: int) -> list[int]:
@@ -109,8 +111,9 @@ def tiny_run_config(tmp_path: Path, port: int) -> Path:
     assert config.job == CPU_JOB and config.prediction is not None
     metrics = MetricsConfig(port=port, progress_file=config.metrics.progress_file)
     training = config.training.model_copy(update={"max_steps": ENDLESS_STEPS})
+    data = config.data.model_copy(update={"validation": VALIDATION})  # the validation-loss panel's series
     path = workdir / "trainer-config.json"
-    path.write_text(config.model_copy(update={"metrics": metrics, "training": training}).to_json())
+    path.write_text(config.model_copy(update={"metrics": metrics, "training": training, "data": data}).to_json())
     return path
 
 

@@ -644,7 +644,7 @@ def test_out_of_memory_replans_to_a_leaner_strategy(cluster: FakeCluster, kind: 
 def test_oom_replans_keep_the_checkpoint_layout_until_only_another_layout_is_leaner(cluster: FakeCluster) -> None:
     """The example plan (full ZeRO-2 on 8 GPUs) can first get leaner with the same layout (checkpointing,
     smaller micro-batches, optimizer offload); once those are spent, a re-plan changes the ZeRO stage and
-    the next attempt starts from the model weights."""
+    the next attempt resumes from the last checkpoint, which the trainer converts to the new layout."""
     cluster.edit_spec(maxReplans=10)
     cluster.launch_running()
     changed = None
@@ -674,11 +674,12 @@ def test_oom_replans_keep_the_checkpoint_layout_until_only_another_layout_is_lea
     assert attempt > 1, "the first re-plan keeps the layout: it exists for the example plan"
     was = f"full bf16 ZeRO-{old.strategy.zero_stage} on {old.strategy.gpus} GPU(s)"
     now = f"full bf16 ZeRO-{new.strategy.zero_stage} on {new.strategy.gpus} GPU(s)"
-    assert f"the checkpoint layout changes ({was} -> {now}): starting from the model weights" in message
-    assert decision.status.attempts[-1].resumed_from_step is None
-    assert decision.status.progress is not None and decision.status.progress.last_checkpoint_step is None
+    converted = f"the checkpoint layout changes ({was} -> {now}): resuming from the last checkpoint, converted"
+    assert converted in message
+    assert decision.status.attempts[-1].resumed_from_step == 10 * attempt
+    assert decision.status.progress is not None and decision.status.progress.last_checkpoint_step == 10 * attempt
     launching = next(e.message for e in decision.events if e.reason == "Launching")
-    assert "from the model weights" in launching
+    assert f"from checkpoint step {10 * attempt}" in launching
 
 
 def test_an_oom_in_one_rank_deletes_the_whole_gang(gang: FakeCluster) -> None:

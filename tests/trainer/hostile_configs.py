@@ -411,9 +411,6 @@ HOSTILE: tuple[Hostile, ...] = (
     Hostile("fsdp2-unknown-key", settings(engine="fsdp2", deepspeed={}, fsdp2={"shardDegree": 2}), "shardDegree"),
     Hostile("fsdp2-fp16-reduce", settings(engine="fsdp2", deepspeed={}, fsdp2={"reduceDtype": "fp16"}), "reduceDtype"),
     Hostile(
-        "fsdp2-qlora", settings(engine="fsdp2", deepspeed={}, fsdp2={}, training__method="qlora"), "deepspeed engine"
-    ),
-    Hostile(
         "fsdp2-8bit-optimizer",
         settings(engine="fsdp2", deepspeed={}, fsdp2={}, training__optimizer="adamw8bit"),
         "deepspeed engine",

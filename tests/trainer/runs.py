@@ -97,10 +97,14 @@ def make_config(
     reshard_after_forward: bool | None = None,
     accumulation: int = 1,
     activation_offloading: bool = False,
+    optimizer_in_backward: bool = False,
+    max_grad_norm: float = 1.0,
+    micro_batch: int = MICRO_BATCH,
 ) -> TrainerConfig:
     """A config of the tiny llama. ``engine="fsdp2"`` renders ``fsdp2`` settings instead of a DeepSpeed section:
     resharded after the forward pass as ``stage`` 3 is (or as ``reshard_after_forward`` says), CPU offload
-    with ``offload``, gradients reduced in bf16 with bf16 masters (as memfit.render.fsdp2 renders them)."""
+    with ``offload``, gradients reduced in bf16 with bf16 masters (as memfit.render.fsdp2 renders them).
+    ``micro_batch`` other than MICRO_BATCH is for fsdp2 only (the DeepSpeed section renders MICRO_BATCH)."""
     data = data or write_corpus(tmp_path / "corpus.jsonl")
     fsdp2 = None
     deepspeed: dict[str, Any] = {}
@@ -109,6 +113,7 @@ def make_config(
             reshard_after_forward=stage == 3 if reshard_after_forward is None else reshard_after_forward,
             cpu_offload=offload,
             reduce_dtype=Precision.BF16 if master_weights == "bf16" else Precision.FP32,
+            optimizer_in_backward=optimizer_in_backward,
         )
     else:
         deepspeed = deepspeed_config(stage, offload=offload, optimizer=optimizer, learning_rate=learning_rate,
@@ -120,9 +125,9 @@ def make_config(
         training=TrainingConfig(
             method=method,
             sequence_length=SEQUENCE_LENGTH,
-            micro_batch_size=MICRO_BATCH,
+            micro_batch_size=micro_batch,
             gradient_accumulation_steps=accumulation,
-            global_batch_size=MICRO_BATCH * world_size * accumulation,
+            global_batch_size=micro_batch * world_size * accumulation,
             max_steps=max_steps,
             learning_rate=learning_rate,
             warmup_ratio=0.1,
@@ -135,6 +140,7 @@ def make_config(
             master_weights=master_weights,
             gradient_checkpointing=activation_offloading,  # activation offloading needs it
             activation_offloading=activation_offloading,
+            max_grad_norm=max_grad_norm,
         ),
         output_dir=str(tmp_path / name / "output"),
         engine=engine,

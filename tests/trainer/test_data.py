@@ -14,6 +14,9 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 
+from memfit.api.vocabulary import TrainOn  # noqa: E402
+from memfit_trainer.blocks import IDS, IGNORE_INDEX  # noqa: E402
+from memfit_trainer.chat import Tokens  # noqa: E402
 from memfit_trainer.data import (  # noqa: E402
     DataError,
     DataPosition,
@@ -71,11 +74,21 @@ def loader(source: DataSource, tokenizer, tmp_path: Path, **kwargs) -> PackedBat
     return build_batches(source, tokenizer, **options)
 
 
-def take(batches: PackedBatches, n: int, start: DataPosition | None = None) -> list[tuple[DataPosition, torch.Tensor]]:
+def take(
+    batches: PackedBatches, n: int, start: DataPosition | None = None, text: bool = True
+) -> list[tuple[DataPosition, torch.Tensor]]:
     out = []
     for position, batch in batches.iterate(start):
         assert batch["input_ids"].dtype == torch.int64 and batch["input_ids"].shape[1] == SEQ
-        assert torch.equal(batch["input_ids"], batch["labels"])
+        if not text:
+            out.append((position, batch["input_ids"]))
+            if len(out) == n:
+                return out
+            continue
+        # Plain text: every token a target but a document's first (position 0), whose label is masked.
+        first = batch["position_ids"] == 0
+        assert torch.equal(batch["labels"][~first], batch["input_ids"][~first])
+        assert (batch["labels"][first] == IGNORE_INDEX).all()
         out.append((position, batch["input_ids"]))
         if len(out) == n:
             return out
@@ -84,7 +97,8 @@ def take(batches: PackedBatches, n: int, start: DataPosition | None = None) -> l
 
 def all_blocks(tokenizer, texts: list[str]) -> list[tuple[int, ...]]:
     ids = tokenizer(texts)["input_ids"]
-    return [tuple(b.tolist()) for b in pack([[*doc, tokenizer.eos_token_id] for doc in ids], SEQ)]
+    docs = [Tokens([*doc, tokenizer.eos_token_id], [True] * (len(doc) + 1)) for doc in ids]
+    return [tuple(b[IDS].tolist()) for b in pack(docs, SEQ)]
 
 
 # --- tokenizer ---------------------------------------------------------------------------------------
@@ -200,8 +214,13 @@ def test_non_string_text_is_rejected(tmp_path: Path, tokenizer) -> None:
 
 
 def test_pack_concatenates_and_drops_the_tail() -> None:
-    blocks = [b.tolist() for b in pack([[1, 2, 3], [4, 5], [6, 7, 8, 9, 10]], 4)]
-    assert blocks == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    docs = [Tokens(ids, [True] * len(ids)) for ids in ([1, 2, 3], [4, 5], [6, 7, 8, 9, 10])]
+    blocks = [b.tolist() for b in pack(docs, 4)]
+    ignore = IGNORE_INDEX
+    assert blocks == [
+        [[1, 2, 3, 4], [ignore, 2, 3, ignore], [0, 0, 0, 1]],
+        [[5, 6, 7, 8], [ignore, ignore, 7, 8], [1, 2, 2, 2]],
+    ]
 
 
 def test_one_epoch_covers_blocks_disjointly_across_ranks(unique_file: Path, tokenizer, tmp_path: Path) -> None:
@@ -301,7 +320,7 @@ CHATS = [
 
 def decoded_stream(batches: PackedBatches, tokenizer) -> str:
     n = batches.micro_batches_per_epoch
-    return "".join(tokenizer.decode(row) for _, ids in take(batches, n) for row in ids)
+    return "".join(tokenizer.decode(row) for _, ids in take(batches, n, text=False) for row in ids)
 
 
 def test_chat_fallback_rendering(tmp_path: Path, tokenizer) -> None:
@@ -322,7 +341,9 @@ def test_chat_template_is_used_without_doubling_eos(tmp_path: Path) -> None:
     tokenizer = byte_level_tokenizer()
     tokenizer.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} {% endfor %}{{ eos_token }}"
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in CHATS])
-    source = DataSource(str(path), messages_field="messages")
+    # trainOn: all; with assistant-only targets this template is refused (see chat tests: it ends every
+    # rendering with EOS, so a conversation's rendering does not extend its first turn's).
+    source = DataSource(str(path), messages_field="messages", train_on=TrainOn.ALL)
     batches = PackedBatches(
         load_records(source, str(tmp_path / "c")),
         tokenizer,

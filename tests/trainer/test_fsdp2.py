@@ -3,9 +3,12 @@
 
 Full fine-tuning learns with the parameters resharded after the forward pass (zeroStage 3), with CPU
 offload, and kept gathered (zeroStage 2) with the chunked loss, all to the same losses (sharding and offload
-do not change the arithmetic); LoRA learns and saves only its adapter; bf16 masters keep bf16 parameters
+do not change the arithmetic); LoRA and QLoRA (its 4-bit base sharded in bf16 storage) learn and save only
+their adapter; bf16 masters keep bf16 parameters
 and optimizer states. A run killed after its first checkpoint ends exactly where the uninterrupted one ends,
-and one checkpointed at 2 ranks resumes at 1 rank at the same step and the same place in the data.
+and one checkpointed at 2 ranks resumes at 1 rank at the same step and the same place in the data. With the
+optimizer step in backward (one AdamW per parameter, stepped from FSDP2's post-accumulate-grad hooks) the
+run learns as one without clipping does (the same arithmetic, stepped earlier), and resumes the same ways.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ pytestmark = pytest.mark.distributed
 
 STEPS = 16
 FULL = dict(engine="fsdp2", method="full", stage=3, offload=False, max_steps=STEPS, checkpoint_every=RESUME_EVERY)
+IN_BACKWARD = {**FULL, "optimizer_in_backward": True, "max_grad_norm": None}
+QLORA = {**FULL, "method": "qlora", "learning_rate": 1e-2}
+FINAL_WEIGHTS = {"full": "model.safetensors", "qlora": "adapter_model.safetensors"}
 LAYOUT = {"engine": "fsdp2", "method": "full", "precision": "bf16", "worldSize": 0, "zeroStage": 0}
 
 
@@ -45,6 +51,44 @@ def marker(output: Path, layout: str, step: int) -> dict[str, Any]:
 def full_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, float], str]:
     """Full fine-tuning resharded after the forward pass: the reference of the other full runs."""
     return train_ok(tmp_path_factory.mktemp("fsdp2-full"), **FULL)
+
+
+@pytest.fixture(scope="module")
+def in_backward_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, float], str]:
+    """Full fine-tuning with the optimizer step in backward (no clipping, accumulation 1)."""
+    return train_ok(tmp_path_factory.mktemp("fsdp2-in-backward"), **IN_BACKWARD)
+
+
+@pytest.fixture(scope="module")
+def qlora_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, float], str]:
+    """QLoRA (its 4-bit base sharded in bf16 storage) resharded after the forward pass."""
+    return train_ok(tmp_path_factory.mktemp("fsdp2-qlora"), **QLORA)
+
+
+RUNS = {"full": ("full_run", FULL), "in-backward": ("in_backward_run", IN_BACKWARD), "qlora": ("qlora_run", QLORA)}
+"""A reference run's fixture and options, by test id."""
+
+
+def test_optimizer_in_backward_learns_as_an_unclipped_run_does(
+    tmp_path: Path, in_backward_run: tuple[Path, dict[int, float], str]
+) -> None:
+    """Per-parameter AdamW steps in the backward pass compute what one AdamW over all parameters computes after
+    it, clipping off: the same losses and final weights up to float rounding, with fp32 states in the
+    checkpoint for every parameter."""
+    output, losses, _ = in_backward_run
+    assert_learned(losses, STEPS, margin=1.0)
+    reference_output, reference, _ = train_ok(tmp_path, **{**FULL, "max_grad_norm": None})
+    assert all(abs(losses[s] - reference[s]) < 1e-3 for s in reference), (losses, reference)
+    ours, theirs = (
+        load_file(output / "final" / "model.safetensors"),
+        load_file(reference_output / "final" / "model.safetensors"),
+    )
+    assert ours.keys() == theirs.keys()
+    assert all(torch.allclose(ours[n].float(), theirs[n].float(), atol=1e-2, rtol=0) for n in ours)
+    dtypes = dcp_dtypes(output / "checkpoints" / "full-bf16-fsdp2" / f"step-{STEPS:06d}")
+    params = {n for n in dtypes if n.startswith("model.")}
+    moments = {n: d for n, d in dtypes.items() if n.endswith((".exp_avg", ".exp_avg_sq"))}
+    assert params and len(moments) == 2 * len(params) and set(moments.values()) == {torch.float32}
 
 
 def test_full_finetuning_learns_and_checkpoints_fp32_masters(full_run: tuple[Path, dict[int, float], str]) -> None:
@@ -85,17 +129,18 @@ def test_offload_and_zero2_with_chunked_loss_compute_the_same_losses(
         assert f"the saved inputs of {TINY_LLAMA.num_layers} checkpointed layers wait in cpu memory" in stdout
 
 
+@pytest.mark.parametrize("method", ["lora", "qlora"])
 @pytest.mark.parametrize("stage", [2, 3], ids=["zero2", "zero3-cpu-offload"])
-def test_lora_learns_and_saves_only_the_adapter(tmp_path: Path, stage: int) -> None:
+def test_lora_learns_and_saves_only_the_adapter(tmp_path: Path, stage: int, method: str) -> None:
     output, losses, _ = train_ok(
-        tmp_path, engine="fsdp2", method="lora", stage=stage, offload=stage == 3, learning_rate=1e-2,
+        tmp_path, engine="fsdp2", method=method, stage=stage, offload=stage == 3, learning_rate=1e-2,
         max_steps=8, checkpoint_every=4,
     )  # fmt: skip
     assert_learned(losses, 8, margin=0.2)
     adapter = load_file(output / "final" / "adapter_model.safetensors")
     assert adapter and all("lora_" in name for name in adapter)
     assert not (output / "final" / "model.safetensors").exists()
-    dtypes = dcp_dtypes(output / "checkpoints" / "lora-bf16-fsdp2" / "step-000008")
+    dtypes = dcp_dtypes(output / "checkpoints" / f"{method}-bf16-fsdp2" / "step-000008")
     params = {n: d for n, d in dtypes.items() if n.startswith("model.")}
     assert params and all("lora_" in n for n in params)  # the frozen base is not in the checkpoint
     assert set(params.values()) == {torch.float32}  # fp32 masters of the adapters
@@ -112,27 +157,33 @@ def test_bf16_masters_keep_bf16_parameters_and_optimizer_states(tmp_path: Path) 
     assert marker(output, "full-bf16-fsdp2-bf16masters", 8)["layout"] == {**LAYOUT, "masterWeights": "bf16"}
 
 
+@pytest.mark.parametrize("run", sorted(RUNS))
 def test_killed_run_resumes_to_the_uninterrupted_result(
-    tmp_path: Path, full_run: tuple[Path, dict[int, float], str]
+    tmp_path: Path, request: pytest.FixtureRequest, run: str
 ) -> None:
-    reference_output, reference_losses, _ = full_run
-    config = make_config(tmp_path, **FULL)
+    fixture, options = RUNS[run]
+    reference_output, reference_losses, _ = request.getfixturevalue(fixture)
+    config = make_config(tmp_path, **options)
     resumed = kill_after_first_checkpoint_and_resume(
         write_config(config, tmp_path / "config.json"), config.checkpoint_dir, tmp_path
     )
     assert logged_losses(resumed.stdout)[STEPS] == reference_losses[STEPS]
-    assert_same_final_weights(config.output_dir, reference_output)
+    assert_same_final_weights(config.output_dir, reference_output, FINAL_WEIGHTS[config.training.method])
 
 
+@pytest.mark.parametrize("run", sorted(RUNS))
 def test_checkpoint_of_two_ranks_resumes_on_one_at_the_same_step_and_data(
-    tmp_path: Path, full_run: tuple[Path, dict[int, float], str]
+    tmp_path: Path, request: pytest.FixtureRequest, run: str
 ) -> None:
     """Killed after step 4 at 2 ranks x micro-batch 2 (16 blocks consumed: data position 4), resumed at 1 rank
-    with 2 accumulated micro-batches (the same global batch): position 8 of 2-block steps, the same blocks
-    from there on, so it ends with the reference's data position and (up to reduction order) its loss."""
-    reference_output, reference_losses, _ = full_run
-    two = make_config(tmp_path, **FULL)
-    one = make_config(tmp_path, **FULL, world_size=1, accumulation=2)
+    with the same global batch: 2 accumulated micro-batches (position 8 of 2-block micro-batches) or, with the
+    optimizer in backward (accumulation 1), one micro-batch of 4 (position 4); the same blocks from there on,
+    so it ends with the reference's data position and (up to reduction order) its loss."""
+    fixture, options = RUNS[run]
+    reference_output, reference_losses, _ = request.getfixturevalue(fixture)
+    micro_batches = 1 if options.get("optimizer_in_backward") else 2  # per step on one rank
+    two = make_config(tmp_path, **options)
+    one = make_config(tmp_path, **options, world_size=1, accumulation=micro_batches, micro_batch=4 // micro_batches)
     assert one.checkpoint_dir == two.checkpoint_dir  # fsdp2's layout names no world size
     resumed = kill_after_first_checkpoint_and_resume(
         write_config(two, tmp_path / "two.json"), two.checkpoint_dir, tmp_path,
@@ -140,15 +191,14 @@ def test_checkpoint_of_two_ranks_resumes_on_one_at_the_same_step_and_data(
     )  # fmt: skip
     said = re.search(r"resumed from checkpoint step 4 \(data position (.*)\)$", resumed.stdout, re.MULTILINE)
     assert said is not None, resumed.stdout
-    assert said.group(1) == (
-        "{'epoch': 0, 'microBatch': 4} written at 2 rank(s) x micro-batch 2, here {'epoch': 0, 'microBatch': 8} "
-        "(0 block(s) skipped)"
-    )
-    final = marker(Path(one.output_dir), "full-bf16-fsdp2", STEPS)
-    reference = marker(reference_output, "full-bf16-fsdp2", STEPS)
-    assert final["dataShape"] == {"worldSize": 1, "microBatchSize": 2}
+    carried = " written at 2 rank(s) x micro-batch 2, here {'epoch': 0, 'microBatch': 8} (0 block(s) skipped)"
+    carried = carried if micro_batches == 2 else ""  # the same blocks per step: the position carries as it is
+    assert said.group(1) == "{'epoch': 0, 'microBatch': 4}" + carried
+    final = marker(Path(one.output_dir), f"{two.training.method}-bf16-fsdp2", STEPS)
+    reference = marker(reference_output, f"{two.training.method}-bf16-fsdp2", STEPS)
+    assert final["dataShape"] == {"worldSize": 1, "microBatchSize": 4 // micro_batches}
     assert reference["dataPosition"] == {"epoch": 0, "microBatch": STEPS}  # 16 steps x 4 blocks
-    assert final["dataPosition"] == {"epoch": 0, "microBatch": 2 * STEPS}  # 32 micro-steps x 2 blocks
+    assert final["dataPosition"] == {"epoch": 0, "microBatch": micro_batches * STEPS}  # of 4 // micro_batches blocks
     losses = logged_losses(resumed.stdout)
     assert STEPS in losses
     assert abs(losses[STEPS] - reference_losses[STEPS]) < 0.02, (losses, reference_losses)

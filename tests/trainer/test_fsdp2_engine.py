@@ -91,3 +91,27 @@ def test_optimizer_steps_at_accumulation_boundaries_only(tmp_path: Path) -> None
     assert engine.lr_scheduler.last_epoch == 1 and engine.last_grad_norm is not None
     assert all(p.grad is None for p in engine.module.parameters())
     assert not all(torch.equal(p.full_tensor(), before[n]) for n, p in engine.module.named_parameters())
+
+
+@pytest.mark.usefixtures("world_of_one")
+@pytest.mark.parametrize("offload", [False, True], ids=["on-device", "cpu-offload"])
+def test_optimizer_in_backward_steps_each_parameter_during_the_backward(tmp_path: Path, offload: bool) -> None:
+    """Every trainable parameter has its own optimizer, stepped by FSDP2's post-accumulate-grad hook (also under
+    CPUOffloadPolicy): after the backward alone the weights have moved and no gradient is left; ``step`` only
+    advances every schedule, and nothing is clipped."""
+    _, engine = _sharded(tmp_path, stage=3, offload=offload, optimizer_in_backward=True, max_grad_norm=0.0)
+    trainable = list(engine.trainable())
+    assert len(engine.optimizers) == len(trainable)
+    assert [group["params"] for o in engine.optimizers for group in o.param_groups] == [[p] for p in trainable]
+    before = {n: p.full_tensor().clone() for n, p in engine.module.named_parameters()}
+    batch = {"input_ids": torch.randint(0, 258, (2, 16)), "labels": torch.randint(0, 258, (2, 16))}
+    engine.backward(engine(**batch).loss)
+    assert all(p.grad is None for p in engine.module.parameters())
+    assert all(not torch.equal(p.full_tensor(), before[n]) for n, p in engine.module.named_parameters())
+    assert all(len(o.state) == 1 for o in engine.optimizers)
+    first_lr = engine.lr_scheduler.get_last_lr()
+    engine.step()
+    assert engine.lr_scheduler.last_epoch == 1 and engine.last_grad_norm is None
+    assert (
+        {o.param_groups[0]["lr"] for o in engine.optimizers} == {engine.lr_scheduler.get_last_lr()[0]} != set(first_lr)
+    )

@@ -200,6 +200,7 @@ def test_scrape_passes_promtool(tmp_path: Path, open_metrics: list[TrainerMetric
     for metrics in (rank0, rank1):
         feed(metrics, range(1, 6))
         metrics.checkpoint(step=5, seconds=3.0)
+        metrics.validation(step=5, loss=1.25, seconds=2.0)
         text, _ = scrape(metrics)
         lint = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
         assert (lint.returncode, lint.stdout + lint.stderr) == (0, ""), f"promtool check metrics:\n{lint.stdout}"
@@ -215,7 +216,7 @@ def test_progress_file_contents(tmp_path: Path, open_metrics: list[TrainerMetric
     assert progress is not None and progress.to_json() == document
     assert list(Progress.model_validate_json(document).model_dump(by_alias=True)) == [
         "step", "totalSteps", "percent", "tokensPerSecond", "etaSeconds", "eta", "lastCheckpointStep", "loss",
-        "updated",
+        "validationLoss", "validationStep", "updated",
     ]  # fmt: skip
     assert (progress.step, progress.total_steps, progress.percent) == (3, 10, 30.0)
     assert progress.tokens_per_second == pytest.approx(2 * 4 * 4096 / 0.5)  # rank 0's rate x 2 ranks

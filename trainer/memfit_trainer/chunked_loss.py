@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from memfit.memory.activations import loss_chunk_tokens
+from memfit_trainer.blocks import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 PYTORCH, LIGER, CUT_CROSS_ENTROPY = "pytorch", "liger-kernel", "cut-cross-entropy"
 
 

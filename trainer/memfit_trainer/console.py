@@ -58,6 +58,10 @@ class ConsoleProgress:
         self._last_print = now
         self._window_start, self._window_tokens, self._window_steps = now, 0, 0
 
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` spent on something other than training (a validation pass) out of tokens/s."""
+        self._window_start += seconds
+
     def message(self, text: str) -> None:
         """A line on rank 0 (progress, resume, final save)."""
         if self.enabled:

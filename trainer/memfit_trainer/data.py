@@ -1,8 +1,21 @@
 """Training data: records from jsonl/parquet/arrow files, tokenised, packed into blocks, sharded, resumable.
 
-The memory plan assumes every micro-batch is exactly ``micro_batch_size x sequence_length`` tokens, so the
-documents are concatenated (each followed by EOS) and chunked into fixed blocks; the short tail that does not
-fill a block is dropped. Every token is a training target (labels == input_ids; the model shifts them).
+The memory plan assumes every micro-batch is exactly ``micro_batch_size x sequence_length`` tokens: documents
+are packed into blocks of that length, or put one per block and padded (``packing``; :mod:`memfit_trainer.blocks`).
+Which tokens are targets depends on the record kind (labels are -100 elsewhere; the model shifts them):
+
+* plain text (``text_field``): every token; the tokenizer's BOS (where it adds one) and an EOS are added;
+* chat (``messages_field``: a list of ``{"role", "content"}``): the assistant turns (``train_on: assistant``)
+  or every token, rendered with the tokenizer's chat template (:mod:`memfit_trainer.chat`);
+* prompt/completion (``prompt_field`` + ``completion_field``): the completion and EOS, or every token.
+
+A packed batch carries ``position_ids`` restarting at 0 for every document, from which ``transformers``
+builds attention that stays inside each document (sdpa, eager: a block-diagonal causal mask; flash
+attention: the variable-length kernel, see :func:`model_inputs`). An unpacked batch carries an
+``attention_mask`` that hides the padding. With labels masked, the model's loss is the mean over the
+micro-batch's target tokens: micro-batches (and ranks) with fewer targets weigh as much as those with
+more in the accumulated gradient (each micro-batch's mean is averaged, as ``transformers``' Trainer does
+without ``average_tokens_across_devices``).
 
 Order and sharding are a pure function of ``(seed, epoch)``, never of wall-clock or worker timing, which is
 what lets a restarted pod continue with exactly the batches the uninterrupted run would have seen:
@@ -24,24 +37,32 @@ The data position a checkpoint stores is :class:`DataPosition` ``(epoch, micro_b
 this rank has consumed in ``epoch`` (the same on every rank, so rank 0's copy in the checkpoint marker serves
 all). :meth:`PackedBatches.iterate` yields the position *after* each batch,
 rolled over to ``(epoch + 1, 0)`` after an epoch's last batch, so the loop saves what it last received.
-
-Chat records (``messages_field``: a list of ``{"role", "content"}``) use the tokenizer's chat template when
-it has one; otherwise each message is rendered as ``<|{role}|>\\n{content}\\n`` and the conversation is
-tokenised like plain text.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
 
-from memfit.api.vocabulary import DatasetFormat
+from memfit.api.vocabulary import DatasetFormat, TrainOn
+from memfit.contract.trainer_config import DataConfig
+from memfit_trainer.blocks import (
+    DOCUMENT,
+    IDS,
+    LABELS,
+    TokenStatistics,
+    attention_mask,
+    one_per_row,
+    pack,
+    position_ids,
+)
+from memfit_trainer.chat import ChatTemplateError, ConversationTokenizer, Tokens
 
 FORMAT_SUFFIXES: dict[str, tuple[str, ...]] = {
     "json": (".jsonl", ".json", ".jsonl.gz", ".json.gz"),
@@ -83,21 +104,50 @@ class DatasetTooSmallError(DataError):
 
 @dataclass(frozen=True)
 class DataSource:
-    """Where the records are and which field holds the training text (exactly one of the two fields)."""
+    """Where the records are, which fields hold them (text, messages, or prompt with completion), which
+    tokens are targets and whether documents are packed."""
 
     path: str
     text_field: str | None = None
     messages_field: str | None = None
     format: str | None = None
     streaming: bool = False
+    prompt_field: str | None = None
+    completion_field: str | None = None
+    train_on: TrainOn = TrainOn.ASSISTANT
+    packing: bool = True
 
     def __post_init__(self) -> None:
-        if (self.text_field is None) == (self.messages_field is None):
-            raise DataError("set exactly one of textField and messagesField")
+        if (self.prompt_field is None) != (self.completion_field is None):
+            raise DataError("set promptField and completionField together")
+        if sum(f is not None for f in (self.text_field, self.messages_field, self.prompt_field)) != 1:
+            raise DataError("set exactly one of textField, messagesField and promptField/completionField")
+
+    @classmethod
+    def from_config(cls, data: DataConfig) -> DataSource:
+        """The trainer config's ``data`` section (its validation records aside)."""
+        return cls(
+            path=data.path,
+            text_field=data.text_field,
+            messages_field=data.messages_field,
+            format=data.format,
+            streaming=data.streaming,
+            prompt_field=data.prompt_field,
+            completion_field=data.completion_field,
+            train_on=data.train_on,
+            packing=data.packing,
+        )
 
     @property
-    def field(self) -> str:
-        return self.text_field if self.text_field is not None else str(self.messages_field)
+    def fields(self) -> dict[str, str]:
+        """The record fields read, by their name in the job's spec."""
+        named = {
+            "textField": self.text_field,
+            "messagesField": self.messages_field,
+            "promptField": self.prompt_field,
+            "completionField": self.completion_field,
+        }
+        return {kind: name for kind, name in named.items() if name is not None}
 
 
 @dataclass(frozen=True, order=True)
@@ -193,65 +243,121 @@ def load_records(source: DataSource, cache_dir: str | None = None) -> Any:
     if first is None:
         raise EmptyDatasetError(f"dataset {source.path!r} has no records")
     fields = list(records.column_names or first.keys())
-    if source.field not in fields:
-        kind = "textField" if source.text_field is not None else "messagesField"
-        raise MissingFieldError(f"{kind} {source.field!r} is not a field of {source.path!r}; fields: {fields}")
+    for kind, name in source.fields.items():
+        if name not in fields:
+            raise MissingFieldError(f"{kind} {name!r} is not a field of {source.path!r}; fields: {fields}")
     return records
 
 
 # --- tokens ----------------------------------------------------------------------------------------
 
 
-def render_messages(messages: Any, tokenizer: Any) -> str:
-    """A conversation as text: the tokenizer's chat template if it has one, else the documented fallback."""
-    if not isinstance(messages, list) or not all(
-        isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in messages
-    ):
-        raise DataError(f"a chat record must be a list of {{'role': str, 'content': str}}, got {str(messages)[:200]}")
-    if getattr(tokenizer, "chat_template", None):
-        return cast(str, tokenizer.apply_chat_template(messages, tokenize=False))
-    return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
-
-
 class DocumentTokenizer:
-    """Turns batches of records into token lists, one per document, each ending in EOS."""
+    """Turns batches of records into documents: token ids and which of them are targets (module docstring)."""
 
     def __init__(self, tokenizer: Any, source: DataSource) -> None:
         if tokenizer.eos_token_id is None:
-            raise DataError("the tokenizer has no EOS token; packing needs one to separate documents")
+            raise DataError("the tokenizer has no EOS token to end a document with")
         self.tokenizer = tokenizer
         self.source = source
         self.eos = int(tokenizer.eos_token_id)
+        self.conversations = ConversationTokenizer(tokenizer, source.train_on)
+        self.bos = self._bos(tokenizer)
 
-    def __call__(self, batch: Mapping[str, list[Any]]) -> list[list[int]]:
-        values = batch[self.source.field]
-        if self.source.text_field is not None:
-            for value in values:
-                if not isinstance(value, str):
-                    raise DataError(f"textField {self.source.field!r} must hold strings, got {type(value).__name__}")
-            texts, special = list(values), True
-        else:
-            # A chat template writes its own BOS and role tokens: do not add BOS a second time.
-            texts = [render_messages(v, self.tokenizer) for v in values]
-            special = not getattr(self.tokenizer, "chat_template", None)
-        docs = self.tokenizer(texts, add_special_tokens=special)["input_ids"]
-        return [doc if doc and doc[-1] == self.eos else [*doc, self.eos] for doc in docs]
+    @staticmethod
+    def _bos(tokenizer: Any) -> list[int]:
+        """The BOS the tokenizer puts before a text, if it does (prompt/completion records get it too)."""
+        bos = tokenizer.bos_token_id
+        adds = bos is not None and tokenizer("x", add_special_tokens=True)["input_ids"][:1] == [bos]
+        return [int(bos)] if adds else []
 
-    def documents(self, records: Any) -> Iterator[list[int]]:
-        for batch in records.iter(batch_size=TOKENIZE_BATCH):
-            yield from self(batch)
+    def _strings(self, values: list[Any], kind: str) -> list[str]:
+        for value in values:
+            if not isinstance(value, str):
+                raise DataError(
+                    f"{kind} {self.source.fields[kind]!r} must hold strings, got {type(value).__name__} "
+                    f"({self.source.path!r})"
+                )
+        return values
+
+    def _texts(self, values: list[Any]) -> list[Tokens]:
+        ids = self.tokenizer(self._strings(values, "textField"), add_special_tokens=True)["input_ids"]
+        docs = [doc if doc and doc[-1] == self.eos else [*doc, self.eos] for doc in ids]
+        return [Tokens(doc, [True] * len(doc)) for doc in docs]
+
+    def _prompts(self, prompts: list[Any], completions: list[Any]) -> list[Tokens]:
+        encode = self.tokenizer
+        prompt_ids = encode(self._strings(prompts, "promptField"), add_special_tokens=False)["input_ids"]
+        completion_ids = encode(self._strings(completions, "completionField"), add_special_tokens=False)["input_ids"]
+        everything = self.source.train_on == TrainOn.ALL
+        return [
+            Tokens(
+                [*self.bos, *prompt, *completion, self.eos],
+                [everything] * (len(self.bos) + len(prompt)) + [True] * (len(completion) + 1),
+            )
+            for prompt, completion in zip(prompt_ids, completion_ids, strict=True)
+        ]
+
+    def _conversations(self, values: list[Any], first: int) -> list[Tokens]:
+        try:
+            return [
+                self.conversations(value, f"{self.source.path!r} record {first + i}") for i, value in enumerate(values)
+            ]
+        except ChatTemplateError as exc:
+            raise DataError(str(exc)) from exc
+
+    def __call__(self, batch: Mapping[str, list[Any]], first: int = 0) -> list[Tokens]:
+        """The documents of a batch of records; ``first`` is the first record's index (named in errors)."""
+        source = self.source
+        if source.text_field is not None:
+            return self._texts(batch[source.text_field])
+        if source.messages_field is not None:
+            return self._conversations(batch[source.messages_field], first)
+        return self._prompts(batch[str(source.prompt_field)], batch[str(source.completion_field)])
+
+    def documents(self, records: Any) -> Iterator[Tokens]:
+        """Every record's document, in order; empty ones (no tokens) are left out."""
+        for number, batch in enumerate(records.iter(batch_size=TOKENIZE_BATCH)):
+            yield from (doc for doc in self(batch, number * TOKENIZE_BATCH) if doc.ids)
 
 
-def pack(documents: Iterable[Sequence[int]], sequence_length: int) -> Iterator[np.ndarray]:
-    """Concatenate documents and cut them into ``sequence_length`` blocks; the incomplete tail is dropped."""
-    buffer: list[int] = []
-    for doc in documents:
-        buffer.extend(doc)
-        full = len(buffer) // sequence_length
-        for i in range(full):
-            yield np.asarray(buffer[i * sequence_length : (i + 1) * sequence_length], dtype=np.int32)
-        del buffer[: full * sequence_length]
+def blocks_of(
+    documents: Iterable[Tokens], source: DataSource, sequence_length: int, pad_id: int
+) -> Iterator[np.ndarray]:
+    """Documents into ``(3, sequence_length)`` blocks: packed, or one per block (:mod:`memfit_trainer.blocks`)."""
+    if source.packing:
+        return pack(documents, sequence_length)
+    return one_per_row(documents, sequence_length, pad_id)
+
+
+def model_inputs(blocks: np.ndarray, packing: bool) -> dict[str, torch.Tensor]:
+    """A micro-batch of blocks as the model's keyword arguments.
+
+    Packed: ``position_ids`` restarting per document, and no ``attention_mask``: that is what makes
+    ``transformers`` (5.x, ``masking_utils.find_packed_sequence_indices``) build a block-diagonal causal mask
+    for sdpa and eager attention (it skips that detection when an attention mask or a KV cache is given; the
+    trainer disables the cache). Flash attention detects packing from ``position_ids`` only for a batch of
+    one row, so the variable-length boundaries are passed explicitly (:func:`flash_varlen_kwargs`).
+    Unpacked: ``attention_mask`` hides the padding (positions count from 0 in every row anyway).
+    """
+    ids = torch.from_numpy(np.ascontiguousarray(blocks[:, IDS])).long()
+    labels = torch.from_numpy(np.ascontiguousarray(blocks[:, LABELS])).long()
+    documents = blocks[:, DOCUMENT]
+    if packing:
+        return {"input_ids": ids, "labels": labels, "position_ids": torch.from_numpy(position_ids(documents)).long()}
+    return {"input_ids": ids, "labels": labels, "attention_mask": torch.from_numpy(attention_mask(documents))}
+
+
+def flash_varlen_kwargs(position: torch.Tensor) -> dict[str, Any]:
+    """flash-attention's variable-length arguments for packed ``position_ids`` (``FlashAttentionKwargs``):
+    cumulative document boundaries over the flattened micro-batch, so no document attends to another, for
+    any number of rows. (Not exercised without a CUDA flash-attn build.)"""
+    flat = position.reshape(-1)
+    # Positions restart at 0 in every document and every row (a continued document too): those are the starts.
+    starts = torch.nonzero(flat == 0).reshape(-1)
+    bounds = torch.cat([starts, starts.new_tensor([flat.numel()])]).to(torch.int32)
+    longest = int((bounds[1:] - bounds[:-1]).max())
+    return {"cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": longest, "max_length_k": longest}
 
 
 # --- batches ---------------------------------------------------------------------------------------
@@ -279,6 +385,10 @@ class PackedBatches:
         if not 0 <= rank < world_size:
             raise DataError(f"rank {rank} is outside world size {world_size}")
         self.documents = DocumentTokenizer(tokenizer, source)
+        pad = tokenizer.pad_token_id
+        self.pad_id = int(pad) if pad is not None else self.documents.eos
+        self.statistics: TokenStatistics | None = None
+        """Token counts of the epoch (map-style only: a stream is not read ahead)."""
         self.source = source
         self.sequence_length = sequence_length
         self.micro_batch_size = micro_batch_size
@@ -305,18 +415,16 @@ class PackedBatches:
             found = f"its {tokens} tokens make only {blocks} block(s)"
         return DatasetTooSmallError(f"dataset {self.source.path!r} is too small: {need}, but {found}")
 
+    def _blocks_of(self, records: Any) -> Iterator[np.ndarray]:
+        return blocks_of(self.documents.documents(records), self.source, self.sequence_length, self.pad_id)
+
     def _build_blocks(self, records: Any) -> np.ndarray:
-        total = 0
-
-        def counted(docs: Iterator[list[int]]) -> Iterator[list[int]]:
-            nonlocal total
-            for doc in docs:
-                total += len(doc)
-                yield doc
-
-        blocks = list(pack(counted(self.documents.documents(records)), self.sequence_length))
+        counts = TokenStatistics(self.sequence_length)
+        documents = counts.documents(self.documents.documents(records))
+        blocks = list(counts.rows_of(blocks_of(documents, self.source, self.sequence_length, self.pad_id)))
+        self.statistics = counts
         if len(blocks) < self.blocks_per_step:
-            raise self._too_small(len(blocks), total)
+            raise self._too_small(len(blocks), counts.document_tokens)
         return np.stack(blocks)
 
     @property
@@ -335,7 +443,7 @@ class PackedBatches:
         else:
             if self.shuffle:
                 self._stream.set_epoch(epoch)
-            blocks = pack(self.documents.documents(self._stream), self.sequence_length)
+            blocks = self._blocks_of(self._stream)
             skip = start  # a stream can only be replayed, not indexed
         seen = 0
         while len(step := list(itertools.islice(blocks, self.blocks_per_step))) == self.blocks_per_step:
@@ -350,13 +458,19 @@ class PackedBatches:
 
     def _batch(self, step: list[np.ndarray]) -> dict[str, torch.Tensor]:
         mine = step[self.rank * self.micro_batch_size : (self.rank + 1) * self.micro_batch_size]
-        input_ids = torch.from_numpy(np.stack(mine)).long()
-        return {"input_ids": input_ids, "labels": input_ids.clone()}
+        return model_inputs(np.stack(mine), self.source.packing)
+
+    def blocks(self, epoch: int = 0) -> Iterator[np.ndarray]:
+        """The epoch's blocks in training order, all ranks' (``(3, sequence_length)``: ids, labels, document;
+        what ``memfit data preview`` shows)."""
+        for step in self._epoch_steps(epoch, 0):
+            yield from step
 
     def iterate(self, start: DataPosition | None = None) -> Iterator[tuple[DataPosition, dict[str, torch.Tensor]]]:
         """Endless ``(position after this batch, batch)`` pairs from ``start``, epoch after epoch.
 
-        Batches are ``{"input_ids", "labels"}`` int64 tensors of shape ``(micro_batch_size, sequence_length)``.
+        Batches are :func:`model_inputs`: ``input_ids``, ``labels`` and ``position_ids`` (packed) or
+        ``attention_mask`` (not packed), int64 tensors of shape ``(micro_batch_size, sequence_length)``.
         """
         epoch, index = (start or DataPosition()).epoch, (start or DataPosition()).micro_batch
         per_epoch = self.micro_batches_per_epoch

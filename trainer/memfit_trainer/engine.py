@@ -23,7 +23,12 @@ from typing import Any
 import torch
 
 from memfit.api.vocabulary import EIGHT_BIT_OPTIMIZERS, Engine, Offload, Optimizer
-from memfit.contract.trainer_config import ConfigError, TrainerConfig, TrainingConfig, precision_section
+from memfit.contract.trainer_config import (
+    ConfigError,
+    TrainerConfig,
+    TrainingConfig,
+    precision_section,
+)
 
 
 def total_optimizer_steps(training: TrainingConfig, micro_batches_per_epoch: int | None) -> int:

@@ -6,8 +6,10 @@ Wrapping (:func:`shard_model`), in this order, over one 1-D device mesh of all r
   ``fully_shard(layer, mesh=mesh, reshard_after_forward=fsdp2.reshardAfterForward, mp_policy=...,
   offload_policy=...)``, then the root (the peft model for LoRA, else the causal LM) the same call: it owns
   what is left (embedding, final norm, LM head). With fp32 master weights each layer is cast to fp32 just
-  before its ``fully_shard`` (the trainable parameters only for LoRA: the frozen base stays in the compute
-  dtype), so the build's peak is the 16-bit model plus one fp32 layer;
+  before its ``fully_shard`` (the trainable parameters only for LoRA and QLoRA: the frozen base stays in the
+  compute dtype, QLoRA's 4-bit codes in their bf16 storage), so the build's peak is the 16-bit model plus one
+  fp32 layer. QLoRA's packed codes are sharded like any bf16 weight; each ``Linear4bit``'s quant state
+  (absmax, code tables) stays whole on every rank (see ``memfit_trainer.model.quantization_config``);
 * mixed precision (training.precision bf16, fp32 masters): ``MixedPrecisionPolicy(param_dtype=bf16,
   reduce_dtype=fsdp2.reduceDtype)``: the sharded parameters, their gradients and AdamW's two states are fp32;
   each layer's parameters are all-gathered in bf16 for its forward (and again for its backward when
@@ -23,10 +25,14 @@ Gradient accumulation: each micro-batch's loss is divided by ``gradientAccumulat
 accumulation); at the boundary the gradient norm is clipped to ``training.maxGradNorm``
 (``torch.nn.utils.clip_grad_norm_`` on the sharded DTensor gradients), the optimizer (``client_optimizer``:
 AdamW unless configured otherwise) steps, the gradients are freed and the warmup-cosine schedule steps.
+With ``training.maxGradNorm`` null nothing is clipped (and no gradient norm is reported). With
+``fsdp2.optimizerInBackward`` each parameter has its own optimizer, stepped in the backward pass
+(:mod:`memfit_trainer.optimizer_in_backward`): the boundary only steps the schedule.
 
 Checkpoints (:meth:`Fsdp2Engine.save_checkpoint`) are ``torch.distributed.checkpoint`` directories (``dcp``
-inside the step directory): the model's sharded state (trainable parameters only for LoRA), the optimizer's
-(keyed by parameter name) and the LR scheduler's, which load into any world size and sharding.
+inside the step directory): the model's sharded state (trainable parameters only for LoRA and QLoRA), the optimizer's
+(keyed by parameter name: one state dict whether one optimizer or one per parameter holds it) and the LR
+scheduler's, which load into any world size and sharding.
 """
 
 from __future__ import annotations
@@ -48,7 +54,8 @@ from torch.optim.lr_scheduler import LambdaLR
 from memfit.api.vocabulary import MasterWeights, Method, Precision
 from memfit.contract.trainer_config import ConfigError, Fsdp2Config, TrainerConfig
 from memfit_trainer.engine import client_optimizer, warmup_cosine
-from memfit_trainer.model import DTYPES
+from memfit_trainer.model import DTYPES, trains_adapters
+from memfit_trainer.optimizer_in_backward import PerParameterSchedules, step_in_backward
 
 DCP_DIRECTORY = "dcp"
 """The ``torch.distributed.checkpoint`` directory inside a checkpoint's step directory."""
@@ -87,6 +94,17 @@ def _cast_for_sharding(module: torch.nn.Module, dtype: torch.dtype, trainable_on
             param.data = param.data.to(dtype)
 
 
+def _keep_4bit_layout(model: torch.nn.Module) -> None:
+    """QLoRA: turn off bitsandbytes' CPU inference repacking (eval mode, e.g. validation, on a CPU with
+    AVX512-bf16): it rewrites the gathered weight and the shared quant state in place, and FSDP2's next
+    all-gather brings back the codes in their original layout, which that quant state would then misread."""
+    from bitsandbytes.nn.modules import Linear4bit
+
+    for module in model.modules():
+        if isinstance(module, Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+
+
 def shard_model(config: TrainerConfig, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """``fully_shard`` every decoder layer, then the root (see the module docstring); returns the model."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -103,7 +121,9 @@ def shard_model(config: TrainerConfig, model: torch.nn.Module, device: torch.dev
         "offload_policy": offload,
     }
     masters = fp32_masters(config)
-    lora = config.training.method == Method.LORA
+    lora = trains_adapters(config.training.method)  # QLoRA too: casting its packed 4-bit codes would ruin them
+    if config.training.method == Method.QLORA:
+        _keep_4bit_layout(model)
     for layer in decoder_layers(model):
         if masters:
             _cast_for_sharding(layer, torch.float32, trainable_only=lora)
@@ -116,25 +136,28 @@ def shard_model(config: TrainerConfig, model: torch.nn.Module, device: torch.dev
 
 class Fsdp2Engine:
     """What the loop, the chunked loss, activation offloading and the export use of a DeepSpeed engine:
-    ``engine(**batch)``, ``backward``, ``step`` (an optimizer step at each accumulation boundary),
+    ``engine(**batch)``, ``backward``, ``step`` (an optimizer step at each accumulation boundary, or with
+    the optimizers stepped in backward (``in_backward``) the schedule's step only),
     ``module``, ``device``, ``save_checkpoint``/``load_checkpoint`` (DeepSpeed's keywords; the tag names
     nothing here) and :meth:`consolidated_state_dict` for the final export."""
 
     def __init__(
         self,
         module: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        lr_scheduler: LambdaLR,
+        optimizers: tuple[torch.optim.Optimizer, ...],
+        lr_scheduler: LambdaLR | PerParameterSchedules,
         *,
         device: torch.device,
         accumulation: int,
         max_grad_norm: float,
         lora: bool,
         export_dtype: torch.dtype,
+        in_backward: bool = False,
     ) -> None:
         self.module = module
-        self.optimizer = optimizer
+        self.optimizers = optimizers
         self.lr_scheduler = lr_scheduler
+        self.in_backward = in_backward
         self.device = device
         self.accumulation = accumulation
         self.max_grad_norm = max_grad_norm
@@ -156,16 +179,20 @@ class Fsdp2Engine:
         return (self.micro_steps + 1) % self.accumulation == 0
 
     def step(self) -> None:
-        """After each micro-batch's backward: at the accumulation boundary clip, step, zero, schedule."""
+        """After each micro-batch's backward: at the accumulation boundary clip (unless maxGradNorm is 0),
+        step, zero (all done in the backward with ``in_backward``), schedule."""
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:
             return
-        norm = torch.nn.utils.clip_grad_norm_(list(self.trainable()), self.max_grad_norm)
-        full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        self.last_grad_norm = float(full)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if not self.in_backward:
+            if self.max_grad_norm > 0:
+                norm = torch.nn.utils.clip_grad_norm_(list(self.trainable()), self.max_grad_norm)
+                full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+                self.last_grad_norm = float(full)
+            for optimizer in self.optimizers:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
 
     # --- checkpoints ---------------------------------------------------------------------------------
@@ -174,7 +201,7 @@ class Fsdp2Engine:
         return StateDictOptions(ignore_frozen_params=self.lora, strict=not self.lora)
 
     def _state(self) -> dict[str, Any]:
-        model, optimizer = get_state_dict(self.module, self.optimizer, options=self._options())
+        model, optimizer = get_state_dict(self.module, self.optimizers, options=self._options())
         return {"model": model, "optimizer": optimizer, "scheduler": self.lr_scheduler.state_dict()}
 
     def save_checkpoint(self, save_dir: str, **_: Any) -> None:
@@ -197,7 +224,7 @@ class Fsdp2Engine:
         load(state, checkpoint_id=str(path))
         set_state_dict(
             self.module,
-            self.optimizer,
+            self.optimizers,
             model_state_dict=state["model"],
             optim_state_dict=state["optimizer"],
             options=self._options(),
@@ -223,16 +250,25 @@ def build_fsdp2_engine(config: TrainerConfig, model: torch.nn.Module, total_step
     local_rank = torch.cuda.current_device() if torch.cuda.is_available() else None
     device = torch.device("cuda", local_rank) if local_rank is not None else torch.device("cpu")
     sharded = shard_model(config, model, device)
-    optimizer = client_optimizer(training, [p for p in sharded.parameters() if p.requires_grad])
-    scheduler = LambdaLR(optimizer, warmup_cosine(total_steps, training.warmup_ratio))
+    params = [p for p in sharded.parameters() if p.requires_grad]
+    schedule = warmup_cosine(total_steps, training.warmup_ratio)
+    in_backward = config.fsdp2 is not None and config.fsdp2.optimizer_in_backward
+    scheduler: LambdaLR | PerParameterSchedules
+    if in_backward:
+        optimizers = step_in_backward(params, lambda group: client_optimizer(training, group))
+        scheduler = PerParameterSchedules(optimizers, schedule)
+    else:
+        optimizers = (client_optimizer(training, params),)
+        scheduler = LambdaLR(optimizers[0], schedule)
     engine = Fsdp2Engine(
         sharded,
-        optimizer,
+        optimizers,
         scheduler,
         device=device,
         accumulation=training.gradient_accumulation_steps,
         max_grad_norm=training.max_grad_norm,
-        lora=training.method == Method.LORA,
+        lora=trains_adapters(training.method),
         export_dtype=DTYPES[training.precision],
+        in_backward=in_backward,
     )
     return engine, scheduler

@@ -12,7 +12,9 @@ The engine is DeepSpeed's or, with ``engine: fsdp2``, :class:`~memfit_trainer.fs
 in :func:`~memfit_trainer.engine.build_engine`), which offers the loop the same calls and writes
 ``torch.distributed.checkpoint`` shards that load at any world size. The marker also records the world size
 and micro-batch size the data position counts in (``dataShape``): a checkpoint written at another world size
-resumes at the same place in the data (:func:`~memfit_trainer.data.carry_position`).
+resumes at the same place in the data (:func:`~memfit_trainer.data.carry_position`). Where this layout's
+directory holds no checkpoint, the newest checkpoint another layout wrote is converted where a conversion
+exists (:mod:`memfit_trainer.convert`) and saved as this layout's at the same step before training goes on.
 
 Test hooks:
 
@@ -26,26 +28,39 @@ Test hooks:
 from __future__ import annotations
 
 import os
+import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
-from memfit.api.vocabulary import Method
+from memfit.api.vocabulary import Attention, Engine, Method
 from memfit.contract.trainer_config import ConfigError, TrainerConfig
 from memfit_trainer.activation_offload import ActivationOffload, offload_activations
-from memfit_trainer.checkpoint import CheckpointManager, fsync_tree, load_rng_state, save_rng_state
+from memfit_trainer.checkpoint import Checkpoint, CheckpointManager, fsync_tree, load_rng_state, save_rng_state
 from memfit_trainer.chunked_loss import causal_lm_loss, select_kernel, unwrap_causal_lm
 from memfit_trainer.console import ConsoleProgress
-from memfit_trainer.data import DataPosition, DataSource, PackedBatches, build_batches, carry_position
+from memfit_trainer.convert import (
+    Conversion,
+    ConversionError,
+    find_conversion,
+    load_universal_into_fsdp2,
+    universal_dir,
+    universal_loading,
+    write_universal,
+)
+from memfit_trainer.data import DataPosition, DataSource, PackedBatches, carry_position, flash_varlen_kwargs
 from memfit_trainer.engine import build_engine, total_optimizer_steps
 from memfit_trainer.export import save_final
 from memfit_trainer.metrics import TrainerMetrics
 from memfit_trainer.model import build_model
 from memfit_trainer.oom import OomGuard
+from memfit_trainer.validation import BatchShape, HeldOut, Validation, report_validation, training_and_validation
 
 CHECKPOINT_TAG = "deepspeed"
 INJECT_OOM_ENV = "MEMFIT_TEST_INJECT_OOM_AT_STEP"
@@ -74,48 +89,74 @@ def _hold(step: int) -> None:
         time.sleep(HOLD_POLL_SECONDS)
 
 
-def _batches(config: TrainerConfig, tokenizer: Any, ranks: Ranks) -> PackedBatches:
+def _batches(config: TrainerConfig, tokenizer: Any, ranks: Ranks) -> tuple[PackedBatches, HeldOut | None]:
+    """The training batches and, with ``data.validation``, the held-out ones (:mod:`memfit_trainer.validation`)."""
     data = config.data
-    source = DataSource(
-        path=data.path,
-        text_field=data.text_field,
-        messages_field=data.messages_field,
-        format=data.format,
-        streaming=data.streaming,
-    )
-    return build_batches(
-        source,
-        tokenizer,
+    source = DataSource.from_config(data)
+    shape = BatchShape(
         sequence_length=config.training.sequence_length,
         micro_batch_size=config.training.micro_batch_size,
         rank=ranks.rank,
         world_size=ranks.world_size,
         seed=config.training.seed,
     )
+    return training_and_validation(source, tokenizer, data.validation, shape)
 
 
-def _latest_step(manager: CheckpointManager, rank: int) -> int | None:
-    """Rank 0's view of the newest complete checkpoint, shared so that all ranks load the same one."""
-    found: list[int | None] = [None]
+@dataclass(frozen=True)
+class _Start:
+    """Where the run starts: its own layout's checkpoint of ``step``, else a conversion of another layout's
+    (its universal checkpoint written), else the weights; ``refusal`` says why a newer checkpoint is not used."""
+
+    step: int | None = None
+    conversion: Conversion | None = None
+    refusal: str | None = None
+
+
+def _find_start(manager: CheckpointManager, config: TrainerConfig, rank: int) -> _Start:
+    """Rank 0 decides (and writes the universal checkpoint of a conversion), shared so that all ranks load the
+    same one. A conversion that fails is said in one line and the run starts from the weights."""
+    found: list[_Start | None] = [None]
     if rank == 0:
         manager.cleanup_stale()
         latest = manager.latest_complete()
-        found = [latest.step if latest is not None else None]
+        start = _Start(step=latest.step) if latest is not None else _Start()
+        if latest is None:
+            search = find_conversion(manager.root, config.layout)
+            start = _Start(conversion=search.conversion, refusal=search.refusal)
+        if start.conversion is not None:
+            source = start.conversion.source
+            try:
+                partitioned = config.engine == Engine.DEEPSPEED and config.layout.zero_stage == 3
+                write_universal(source, CHECKPOINT_TAG, universal_dir(manager, source.step), partitioned)
+            except ConversionError as error:
+                start = _Start(refusal=f"{str(error).splitlines()[0]}; starting from the weights")
+        if start.refusal is not None:
+            print(start.refusal, file=sys.stderr, flush=True)
+        found = [start]
     dist.broadcast_object_list(found, src=0)
+    assert found[0] is not None
     return found[0]
 
 
 def _check_layout(manager: CheckpointManager, step: int, layout: dict[str, Any]) -> None:
-    """Refuse, before any model is built, a checkpoint another layout wrote (DeepSpeed would fail deep
-    inside its loader with a missing shard file)."""
+    """Refuse, before any model is built, a checkpoint another layout wrote found in this layout's directory
+    (copied by hand: DeepSpeed would fail deep inside its loader with a missing shard file). Conversions are
+    made only from the directory of the layout that wrote the checkpoint (memfit_trainer.convert)."""
     checkpoint = next(c for c in manager.complete() if c.step == step)
     written = checkpoint.marker.get("layout")
     if written is not None and written != layout:
         raise ConfigError(
             f"checkpoint {checkpoint.path} was written by another layout ({written}) than this run's ({layout}): "
-            "DeepSpeed cannot load its shards as they are; convert it to a universal checkpoint "
-            "(deepspeed.checkpoint.ds_to_universal) or start from an empty output directory"
+            "the engine cannot load its shards as they are; move it to its own layout's directory next to this "
+            "one (it is then converted where a conversion exists) or start from an empty output directory"
         )
+
+
+def _load(engine: Any, directory: Path, lora: bool) -> None:
+    path, _ = engine.load_checkpoint(str(directory), tag=CHECKPOINT_TAG, load_module_strict=not lora)
+    if path is None:
+        raise RuntimeError(f"the engine found no state in checkpoint {directory}")
 
 
 def _resume(
@@ -123,10 +164,29 @@ def _resume(
 ) -> tuple[DataPosition, str]:
     """Load the checkpoint of ``step``; the data position to go on from, and what to say about it."""
     checkpoint = next(c for c in manager.complete() if c.step == step)
-    path, _ = engine.load_checkpoint(str(checkpoint.path), tag=CHECKPOINT_TAG, load_module_strict=not lora)
-    if path is None:
-        raise RuntimeError(f"the engine found no state in checkpoint {checkpoint.path}")
+    _load(engine, checkpoint.path, lora)
     load_rng_state(checkpoint.path, ranks.rank)
+    return _carried_position(checkpoint, batches)
+
+
+def _resume_converted(
+    engine: Any, kind: Engine, conversion: Conversion, manager: CheckpointManager, ranks: Ranks, lora: bool,
+    batches: PackedBatches,
+) -> tuple[DataPosition, str]:  # fmt: skip
+    """Load the universal checkpoint rank 0 wrote of ``conversion`` into the engine of ``kind`` (collective);
+    the RNG state of the source where it has this rank's, the data position carried from the source's."""
+    scratch = universal_dir(manager, conversion.source.step)
+    if kind == Engine.FSDP2:
+        load_universal_into_fsdp2(engine, scratch, CHECKPOINT_TAG, lora)
+    else:
+        _load(engine, scratch, lora)
+    load_rng_state(conversion.source.path, ranks.rank)
+    position, said = _carried_position(conversion.source, batches)
+    return position, f"{conversion.describe()}: {said}"
+
+
+def _carried_position(checkpoint: Checkpoint, batches: PackedBatches) -> tuple[DataPosition, str]:
+    """The checkpoint's data position, carried to this run's world size and micro-batch size."""
     position = DataPosition.from_dict(checkpoint.data_position)
     said = f"data position {position.to_dict()}"
     shape = checkpoint.marker.get("dataShape")
@@ -154,8 +214,10 @@ def _save_checkpoint(
     lora: bool,
     layout: dict[str, Any],
     micro_batch_size: int,
+    converted_from: dict[str, Any] | None = None,
 ) -> None:
-    """The multi-rank protocol of :mod:`memfit_trainer.checkpoint` (collective)."""
+    """The multi-rank protocol of :mod:`memfit_trainer.checkpoint` (collective); ``converted_from`` recorded
+    in the marker of a checkpoint converted from another layout's."""
     if ranks.rank == 0:
         manager.prepare(step)
     dist.barrier()
@@ -166,7 +228,8 @@ def _save_checkpoint(
     dist.barrier()
     if ranks.rank == 0:
         shape = {"worldSize": ranks.world_size, "microBatchSize": micro_batch_size}
-        manager.commit(step, {"dataPosition": position.to_dict(), "dataShape": shape, "layout": layout})
+        origin = {} if converted_from is None else {"convertedFrom": converted_from}
+        manager.commit(step, {"dataPosition": position.to_dict(), "dataShape": shape, "layout": layout, **origin})
         manager.prune(keep)
     dist.barrier()
 
@@ -183,13 +246,21 @@ def _loss_function(
 ) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
     """The micro-batch's loss: the model's own (``outputs.loss``), or with ``training.chunked_loss`` the
     chunked cross-entropy with the LM head inside it (its implementation chosen here, once, and logged).
-    The config refuses the chunked loss under ZeRO-3, where the head's weight is partitioned."""
+    The config refuses the chunked loss under ZeRO-3, where the head's weight is partitioned. With flash
+    attention a packed batch also carries its documents' boundaries (:func:`~memfit_trainer.data.flash_varlen_kwargs`).
+    """
     if not config.training.chunked_loss:
-        return lambda batch: cast(torch.Tensor, engine(**batch).loss)
-    name, kernel = select_kernel(device)
-    progress.message(f"loss: chunked cross-entropy ({name})")
-    causal_lm = unwrap_causal_lm(engine)
-    return lambda batch: causal_lm_loss(engine, causal_lm, batch, kernel)
+        loss_of: Callable[[dict[str, Any]], torch.Tensor] = lambda batch: cast(torch.Tensor, engine(**batch).loss)  # noqa: E731
+    else:
+        name, kernel = select_kernel(device)
+        progress.message(f"loss: chunked cross-entropy ({name})")
+        causal_lm = unwrap_causal_lm(engine)
+        loss_of = lambda batch: causal_lm_loss(engine, causal_lm, batch, kernel)  # noqa: E731
+    if config.training.attention != Attention.FLASH:
+        return loss_of
+    return lambda batch: loss_of(
+        {**batch, **flash_varlen_kwargs(batch["position_ids"])} if "position_ids" in batch else batch
+    )
 
 
 def _activation_offload(config: TrainerConfig, engine: Any, progress: ConsoleProgress) -> ActivationOffload | None:
@@ -215,18 +286,30 @@ def train(config: TrainerConfig, ranks: Ranks, metrics: TrainerMetrics, guard: O
     manager = CheckpointManager(config.checkpoint_dir)
     if ranks.rank == 0:
         config.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    resumed_from = _latest_step(manager, ranks.rank)
-    if resumed_from is not None:
-        _check_layout(manager, resumed_from, layout)
+    start = _find_start(manager, config, ranks.rank)
+    if start.step is not None:
+        _check_layout(manager, start.step, layout)
 
     built = build_model(config, ranks.local_rank)
-    batches = _batches(config, built.tokenizer, ranks)
+    batches, held_out = _batches(config, built.tokenizer, ranks)
     total = total_optimizer_steps(training, batches.micro_batches_per_epoch)
-    engine, scheduler = build_engine(config, built.model, total)
+    converted_into = config.engine == Engine.DEEPSPEED and start.conversion is not None
+    engine, scheduler = build_engine(universal_loading(config) if converted_into else config, built.model, total)
     progress = ConsoleProgress(total, enabled=ranks.rank == 0)
+    progress.message(f"metrics: rank 0 serves /metrics on port {metrics.port}")  # ephemeral under `memfit run --local`
+    if batches.statistics is not None:  # what truncation and padding cost, said once (not known when streaming)
+        progress.message(batches.statistics.describe())
     position, step = DataPosition(), 0
-    if resumed_from is not None:
-        (position, said), step = _resume(engine, manager, resumed_from, ranks, lora, batches), resumed_from
+    if start.step is not None:
+        (position, said), step = _resume(engine, manager, start.step, ranks, lora, batches), start.step
+        progress.message(f"resumed from checkpoint step {step} ({said})")
+    elif start.conversion is not None:
+        step = start.conversion.source.step
+        position, said = _resume_converted(engine, config.engine, start.conversion, manager, ranks, lora, batches)
+        _save_checkpoint(engine, manager, step, position, ranks, training.keep_checkpoints, lora, layout,
+                         training.micro_batch_size, start.conversion.marker())  # fmt: skip
+        if ranks.rank == 0:
+            shutil.rmtree(universal_dir(manager, step))
         progress.message(f"resumed from checkpoint step {step} ({said})")
     else:
         torch.manual_seed(training.seed + ranks.rank)  # dropout differs per rank, reproducibly
@@ -234,6 +317,7 @@ def train(config: TrainerConfig, ranks: Ranks, metrics: TrainerMetrics, guard: O
     device = engine.device
     loss_of = _loss_function(config, engine, device, progress)
     offload = _activation_offload(config, engine, progress)
+    validation = Validation(held_out, engine.module, loss_of, device) if held_out is not None else None
     accumulation = training.gradient_accumulation_steps
     samples_per_rank = training.micro_batch_size * accumulation  # per optimizer step
     tokens_per_rank = samples_per_rank * training.sequence_length
@@ -263,6 +347,8 @@ def train(config: TrainerConfig, ranks: Ranks, metrics: TrainerMetrics, guard: O
             step_seconds=seconds,
         )
         progress.step(step, loss_value, learning_rate, tokens_per_rank * ranks.world_size)
+        if validation is not None and validation.due(step, total):
+            report_validation(validation.evaluate(step), metrics, progress)
         if step % training.checkpoint_every_steps == 0 or step == total:
             started = time.monotonic()
             _save_checkpoint(engine, manager, step, position, ranks, training.keep_checkpoints, lora, layout,

@@ -14,6 +14,9 @@ in the process leaks into it). All series carry ``finetunejob`` (namespace/name)
   and ``memfit_train_estimated_mfu_ratio`` only when the plan knows the GPU's peak FLOP/s;
 * checkpoints: ``memfit_checkpoint_duration_seconds`` (histogram), ``memfit_checkpoint_last_step``,
   ``memfit_checkpoint_last_timestamp_seconds``;
+* validation (only with ``data.validation``): ``memfit_validation_loss`` (the mean over all ranks' validation
+  target tokens, the same on every rank), ``memfit_validation_step`` (the step it was computed at) and
+  ``memfit_validation_duration_seconds`` (histogram; not counted in the tokens per second);
 * rank 0 only, the job's progress: ``memfit_train_total_steps``, ``memfit_train_progress_ratio``,
   ``memfit_train_eta_seconds``; it also writes the progress file (:mod:`memfit.contract.progress`).
 
@@ -41,6 +44,8 @@ from memfit.contract.progress import (
     STEP_METRIC,
     TOKENS_PER_SECOND_METRIC,
     TOTAL_STEPS_METRIC,
+    VALIDATION_LOSS_METRIC,
+    VALIDATION_STEP_METRIC,
     Progress,
     write_progress,
 )
@@ -95,6 +100,8 @@ class TrainerMetrics:
         self._loss = math.nan
         self._last_checkpoint_step: int | None = None
         self._last_checkpoint_seconds = 0.0
+        self._validation_loss: float | None = None
+        self._validation_step: int | None = None
 
         self._step_gauge = self._gauge(STEP_METRIC, "Optimizer steps completed (the last finished step).")
         self._loss_gauge = self._gauge("memfit_train_loss", "Training loss of the last optimizer step.")
@@ -183,6 +190,16 @@ class TrainerMetrics:
             "memfit_checkpoint_last_timestamp_seconds", "Unix time the last checkpoint save finished."
         )
 
+        self._validation_loss_gauge = self._gauge(
+            VALIDATION_LOSS_METRIC,
+            "Validation loss at memfit_validation_step: the mean over all ranks' validation target tokens.",
+        )
+        self._validation_step_gauge = self._gauge(VALIDATION_STEP_METRIC, "Step of the last validation loss.")
+        self._validation_seconds = Histogram(
+            "memfit_validation_duration_seconds", "Wall time of one validation pass on this rank.", LABELS,
+            buckets=STEP_BUCKETS, registry=self.registry,
+        ).labels(*self._labels)  # fmt: skip
+
         if rank == 0:
             self._total_gauge = self._gauge(TOTAL_STEPS_METRIC, "Optimizer steps the whole run takes.")
             self._ratio_gauge = self._gauge(
@@ -257,6 +274,16 @@ class TrainerMetrics:
         if self.rank == 0 and self._step is not None:
             self._report_progress()
 
+    def validation(self, *, step: int, loss: float, seconds: float) -> None:
+        """Record the validation loss computed after ``step`` (a pass of ``seconds``)."""
+        self._validation_seconds.observe(seconds)
+        self._set(self._validation_loss_gauge, loss)
+        self._set(self._validation_step_gauge, step)
+        self._validation_loss = loss if math.isfinite(loss) else None
+        self._validation_step = step
+        if self.rank == 0 and self._step is not None:
+            self._report_progress()
+
     def close(self) -> None:
         """Stop serving (idempotent); the progress file stays for the operator to read."""
         if self._closed:
@@ -303,6 +330,8 @@ class TrainerMetrics:
             eta=updated + timedelta(seconds=round(eta_seconds)) if eta_seconds is not None else None,
             last_checkpoint_step=self._last_checkpoint_step,
             loss=self._loss if math.isfinite(self._loss) else None,
+            validation_loss=self._validation_loss,
+            validation_step=self._validation_step,
             updated=updated,
         )
         try:

@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from memfit.api.vocabulary import Attention, Method, Precision
+from memfit.api.vocabulary import Attention, Engine, Method, Precision
 from memfit.contract.trainer_config import TrainerConfig
 from memfit_trainer.hf_config import transformers_config
-from memfit_trainer.tokenizer import byte_level_tokenizer, load_tokenizer
+from memfit_trainer.tokenizer import model_tokenizer
 
 DTYPES: dict[Precision, torch.dtype] = {
     Precision.BF16: torch.bfloat16,
@@ -45,14 +45,19 @@ class BuiltModel:
 
 
 def build_tokenizer(config: TrainerConfig) -> Any:
-    """Random-init models use the built-in byte-level tokenizer; pretrained ones their own."""
-    if config.model.random_init:
-        return byte_level_tokenizer()
-    return load_tokenizer(config.model.name_or_path, token_env=config.model.token_env, revision=config.model.revision)
+    """The tokenizer the config asks for (:func:`~memfit_trainer.tokenizer.model_tokenizer`)."""
+    return model_tokenizer(config.model)
 
 
-def quantization_config() -> Any:
-    """QLoRA's base-weight format: 4-bit NF4, double-quantised, computing in bf16."""
+def quantization_config(engine: Engine) -> Any:
+    """QLoRA's base-weight format: 4-bit NF4, double-quantised, computing in bf16.
+
+    On the fsdp2 engine the packed 4-bit codes are stored in bf16 elements (``bnb_4bit_quant_storage``: one
+    element holds four codes), as in answer.ai's FSDP-QLoRA recipe: ``fully_shard`` then shards them like any
+    frozen bf16 weight (and ``MixedPrecisionPolicy`` casts nothing), where uint8 storage would be a dtype of
+    its own in the layer's all-gather. Only the packed codes are sharded: the quant states (absmax, code
+    tables) are attributes of each ``Linear4bit``, replicated whole on every rank, and bitsandbytes'
+    ``fix_4bit_weight_quant_state_from_module`` re-attaches them to the unsharded weight FSDP2 gathers."""
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(  # type: ignore[no-untyped-call]  # transformers' config classes are unannotated
@@ -60,11 +65,16 @@ def quantization_config() -> Any:
         bnb_4bit_quant_type="nf4",
         bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=torch.bfloat16,
+        bnb_4bit_quant_storage=torch.bfloat16 if engine == Engine.FSDP2 else torch.uint8,
     )
 
 
-def _device_map(local_rank: int) -> dict[str, Any]:
-    return {"": local_rank if torch.cuda.is_available() else "cpu"}
+def _device_map(config: TrainerConfig, local_rank: int) -> dict[str, Any]:
+    """Where QLoRA's 4-bit base is built: on the GPU for DeepSpeed (which keeps it whole there); on the host
+    for fsdp2, whose ``fully_shard`` moves each layer to the GPU as it shards it (bitsandbytes' ``Params4bit.to``
+    moves the quant states along), so no GPU ever holds the whole 4-bit model."""
+    on_gpu = torch.cuda.is_available() and config.engine != Engine.FSDP2
+    return {"": local_rank if on_gpu else "cpu"}
 
 
 def _load_base(config: TrainerConfig, local_rank: int) -> Any:
@@ -93,10 +103,15 @@ def _load_base(config: TrainerConfig, local_rank: int) -> Any:
                 os.path.join(scratch, "model.safetensors"),
             )
             return AutoModelForCausalLM.from_pretrained(
-                scratch, quantization_config=quantization_config(), device_map=_device_map(local_rank), **kwargs
+                scratch,
+                quantization_config=quantization_config(config.engine),
+                device_map=_device_map(config, local_rank),
+                **kwargs,
             )
     if training.method == Method.QLORA:
-        kwargs.update(quantization_config=quantization_config(), device_map=_device_map(local_rank))
+        kwargs.update(
+            quantization_config=quantization_config(config.engine), device_map=_device_map(config, local_rank)
+        )
     return AutoModelForCausalLM.from_pretrained(
         model_config.name_or_path,
         revision=model_config.revision,
@@ -120,6 +135,11 @@ def _lora_config(config: TrainerConfig) -> Any:
     )
 
 
+def trains_adapters(method: Method) -> bool:
+    """LoRA and QLoRA: only the adapters are trained, checkpointed and exported; the base stays frozen as built."""
+    return method in (Method.LORA, Method.QLORA)
+
+
 def build_model(config: TrainerConfig, local_rank: int = 0) -> BuiltModel:
     """The trainable model (with adapters for LoRA/QLoRA) and its tokenizer, ready for ``deepspeed.initialize``."""
     training = config.training
@@ -131,6 +151,7 @@ def build_model(config: TrainerConfig, local_rank: int = 0) -> BuiltModel:
         # From here on, models are built partitioned. (HfDeepSpeedConfig.__init__ is unannotated.)
         zero3_context = HfDeepSpeedConfig(config.deepspeed)  # type: ignore[no-untyped-call]
     model = _load_base(config, local_rank)
+    model.train()  # from_pretrained returns it in eval mode: no dropout, and bitsandbytes' CPU inference repacking
     model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
     if training.method == Method.FULL:
         if training.gradient_checkpointing:

@@ -58,6 +58,8 @@ def _volume_problems(config: TrainerConfig) -> list[str]:
     ]
     if volumes.model is not None:
         checks.append(("model.nameOrPath", config.model.name_or_path, volumes.model))
+    if config.data.validation is not None and config.data.validation.path is not None:
+        checks.append(("data.validation.path", config.data.validation.path, volumes.data))
     problems = []
     for name, path, root in checks:
         real = _escape(path, root) if root is not None else None
@@ -125,8 +127,10 @@ def check(config: TrainerConfig, environ: Mapping[str, str]) -> None:
             f"{training.global_batch_size} = microBatchSize {training.micro_batch_size} x "
             f"gradientAccumulationSteps {training.gradient_accumulation_steps} x ranks)"
         )
-    if (data.text_field is None) == (data.messages_field is None):
-        problems.append("data needs exactly one of textField and messagesField")
+    if sum(f is not None for f in (data.text_field, data.messages_field, data.prompt_field)) != 1 or (
+        (data.prompt_field is None) != (data.completion_field is None)
+    ):
+        problems.append("data needs exactly one of textField, messagesField and promptField with completionField")
     volume_problems = _volume_problems(config)
     problems.extend(volume_problems)
     if not Path(data.path).exists():
@@ -136,7 +140,8 @@ def check(config: TrainerConfig, environ: Mapping[str, str]) -> None:
     if data.streaming and training.max_steps is None:
         problems.append("streaming data has no known epoch length: set training.maxSteps")
     architecture = config.model.architecture
-    if config.model.random_init and architecture is not None and architecture.vocab_size < BYTE_TOKENIZER_VOCAB:
+    byte_tokenizer = config.model.random_init and config.model.tokenizer is None
+    if byte_tokenizer and architecture is not None and architecture.vocab_size < BYTE_TOKENIZER_VOCAB:
         problems.append(
             f"model.architecture.vocabSize {architecture.vocab_size} is below the {BYTE_TOKENIZER_VOCAB} ids of "
             "the byte-level tokenizer random-init models use"

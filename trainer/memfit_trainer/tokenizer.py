@@ -1,4 +1,5 @@
-"""Tokenizers: a byte-level one built in code for tiny models, and loading a real model's tokenizer.
+"""Tokenizers: a byte-level one built in code for tiny models, loading a real model's tokenizer, and the
+check that a tokenizer fits the model.
 
 Tests and examples train tiny random models and must run offline, so their tokenizer is constructed from
 nothing (no file, no download). Real runs load the model's own tokenizer from a local path or the hub; the
@@ -10,6 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any
+
+from memfit.contract.trainer_config import ModelConfig
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -100,4 +103,28 @@ def load_tokenizer(
         raise TokenizerLoadError(f"cannot load tokenizer: {hint}: {exc}") from exc
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def check_vocabulary(tokenizer: Any, vocab_size: int) -> None:
+    """Refuse a tokenizer whose ids reach past the model's embedding table: the first such id would index
+    out of range in the middle of training (an opaque CUDA assert), not at start."""
+    ids = len(tokenizer)
+    if ids > vocab_size:
+        raise TokenizerLoadError(
+            f"the tokenizer ({getattr(tokenizer, 'name_or_path', '') or 'built-in'}) has {ids} token ids but the "
+            f"model's vocabSize is {vocab_size}: use the model's own tokenizer, or a model with vocabSize >= {ids}"
+        )
+
+
+def model_tokenizer(model: ModelConfig) -> Any:
+    """``model.tokenizer`` where set, else the model's own; a random-init model without one uses the built-in
+    byte-level tokenizer. Refused when its ids do not fit the model's embedding (``vocab_size``)."""
+    if model.tokenizer is None and model.random_init:
+        tokenizer = byte_level_tokenizer()
+    else:
+        revision = model.revision if model.tokenizer is None else None  # the revision is the model's
+        tokenizer = load_tokenizer(model.tokenizer or model.name_or_path, token_env=model.token_env, revision=revision)
+    if model.architecture is not None:
+        check_vocabulary(tokenizer, model.architecture.vocab_size)
     return tokenizer
