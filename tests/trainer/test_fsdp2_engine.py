@@ -4,12 +4,10 @@ boundaries only, and the data position carried to another world size."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from memfit_trainer.data import DataPosition, carry_position
@@ -28,16 +26,6 @@ def test_position_carries_over_to_fewer_ranks_exactly() -> None:
 def test_position_rounds_up_to_a_whole_step_of_more_ranks() -> None:
     # 3 steps of 2 blocks are 6 blocks: 2 steps of 4 blocks (8), skipping 2 blocks rather than training twice.
     assert carry_position(DataPosition(0, 3), 2, 4) == (DataPosition(0, 2), 2)
-
-
-@pytest.fixture
-def world_of_one(tmp_path: Path) -> Iterator[None]:
-    assert not dist.is_initialized(), "a process group leaked from an earlier test in this process"
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _sharded(tmp_path: Path, **options: object):  # type: ignore[no-untyped-def]

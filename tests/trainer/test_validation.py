@@ -6,12 +6,10 @@ from __future__ import annotations
 import itertools
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from datasets import Dataset
 
@@ -142,16 +140,6 @@ def test_validation_data_too_small_for_one_step_says_so(tmp_path: Path) -> None:
 
 
 # --- one evaluation -------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def world_of_one(tmp_path: Path) -> Iterator[None]:
-    assert not dist.is_initialized(), "a process group leaked from an earlier test in this process"
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.usefixtures("world_of_one")
