@@ -210,7 +210,8 @@ def _full_state(zero: Path, sharded: dict[str, Any]) -> tuple[dict[str, Any], di
                 full[state] = torch.tensor(_step(zero, name, common), dtype=value.dtype)
             else:
                 full[state] = _tensor(zero, name, state, value)
-                model[name] = _tensor(zero, name, "fp32", value)
+                if name not in model:  # the weight once, shaped like any of its (full-shape) states
+                    model[name] = _tensor(zero, name, "fp32", value)
     groups, here = common["param_groups"], sharded["param_groups"]
     if len(groups) not in (1, len(here)):  # one DeepSpeed group over all, or group for group
         raise ConversionError(f"{len(groups)} optimizer parameter group(s) in the checkpoint, here {len(here)}")

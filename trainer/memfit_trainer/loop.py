@@ -39,7 +39,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from memfit.api.vocabulary import Attention, Engine, Method
+from memfit.api.vocabulary import Attention, Engine
 from memfit.contract.trainer_config import ConfigError, TrainerConfig
 from memfit_trainer.activation_offload import ActivationOffload, offload_activations
 from memfit_trainer.checkpoint import Checkpoint, CheckpointManager, fsync_tree, load_rng_state, save_rng_state
@@ -58,7 +58,7 @@ from memfit_trainer.data import DataPosition, DataSource, PackedBatches, carry_p
 from memfit_trainer.engine import build_engine, total_optimizer_steps
 from memfit_trainer.export import save_final
 from memfit_trainer.metrics import TrainerMetrics
-from memfit_trainer.model import build_model
+from memfit_trainer.model import build_model, trains_adapters
 from memfit_trainer.oom import OomGuard
 from memfit_trainer.validation import BatchShape, HeldOut, Validation, report_validation, training_and_validation
 
@@ -281,7 +281,7 @@ def train(config: TrainerConfig, ranks: Ranks, metrics: TrainerMetrics, guard: O
     the inner guard's exit as a second OOM); the loop keeps ``guard.step`` at the step in progress.
     """
     training = config.training
-    lora = training.method in (Method.LORA, Method.QLORA)
+    lora = trains_adapters(training.method)
     layout = config.layout.to_dict()
     manager = CheckpointManager(config.checkpoint_dir)
     if ranks.rank == 0:
