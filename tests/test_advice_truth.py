@@ -52,7 +52,7 @@ def single_plan_case() -> Case:
     )
     only = plan_job(spec, [T4_ONE]).chosen
     assert only is not None
-    return Case(spec, [T4_ONE], exclude=(only.strategy.summary(),))
+    return Case(spec, [T4_ONE], exclude=(only.strategy.identity(),))
 
 
 SCENARIOS: dict[str, Callable[[], Case]] = {
@@ -178,7 +178,7 @@ def _all_excluded(m: re.Match[str], case: Case, result: PlanResult) -> bool:
     return (
         result.chosen is None
         and all(r.reason.startswith("excluded") for r in result.rejected)
-        and all(c.strategy.summary() in excluded for c in unexcluded.candidates)
+        and all(c.strategy.identity() in excluded for c in unexcluded.candidates)
     )
 
 

@@ -17,7 +17,7 @@ from memfit.api.finetunejob import MIN_SEQUENCE_LENGTH, FineTuneJob
 from memfit.api.plan import PerGPUMemory, PhaseMemory, PlanCandidate, PlanResult
 from memfit.api.vocabulary import Offload, StepPhase
 from memfit.planner.longest import LongestSequence
-from memfit.planner.search import speed_ratio
+from memfit.planner.report import speed_ratio
 
 GIB = 1024**3
 RUNNERS_UP = 5

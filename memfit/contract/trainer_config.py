@@ -34,8 +34,9 @@ from pydantic import (
 )
 
 from memfit.api.base import ApiModel
+from memfit.api.knobs import Knobs
+from memfit.api.knobs import conflicts as knob_conflicts
 from memfit.api.loading import describe_validation_error
-from memfit.api.plan import strategy_conflicts
 from memfit.api.vocabulary import (
     EIGHT_BIT_OPTIMIZERS,
     Attention,
@@ -628,13 +629,24 @@ class TrainerConfig(ApiModel):
         t = self.training
         stage = 3 if self.fsdp2 is None or self.fsdp2.reshard_after_forward else 2
         offload = Offload.CPU if self.fsdp2 is not None and self.fsdp2.cpu_offload else Offload.NONE
-        problems += strategy_conflicts(t.method, t.precision, stage, offload, offload, t.optimizer, t.chunked_loss,
-                                       gradient_checkpointing=t.gradient_checkpointing,
-                                       activation_offloading=t.activation_offloading, master_weights=t.master_weights,
-                                       engine=self.engine,
-                                       optimizer_in_backward=self.fsdp2.optimizer_in_backward if self.fsdp2 else None,
-                                       gradient_accumulation_steps=t.gradient_accumulation_steps,
-                                       clips_gradients=t.max_grad_norm > 0)  # fmt: skip
+        problems += knob_conflicts(
+            Knobs(
+                method=t.method,
+                precision=t.precision,
+                zero_stage=stage,
+                offload_optimizer=offload,
+                offload_parameters=offload,
+                optimizer=t.optimizer,
+                chunked_loss=t.chunked_loss,
+                gradient_checkpointing=t.gradient_checkpointing,
+                activation_offloading=t.activation_offloading,
+                master_weights=t.master_weights,
+                engine=self.engine,
+                optimizer_in_backward=self.fsdp2.optimizer_in_backward if self.fsdp2 else None,
+                gradient_accumulation_steps=t.gradient_accumulation_steps,
+                clips_gradients=t.max_grad_norm > 0,
+            )
+        )
         return problems
 
     def _deepspeed_problems(self) -> list[str]:
@@ -666,12 +678,14 @@ class TrainerConfig(ApiModel):
             problems.append(f"{t.optimizer} keeps its 8-bit states on the GPU: it cannot be offloaded")
         if t.chunked_loss and zero.stage == 3:
             problems.append("training.chunkedLoss reads the LM head's weight whole: it cannot run under ZeRO-3")
-        problems += strategy_conflicts(  # the rules of the techniques, as the planner applies them
-            precision=t.precision,
-            offload_optimizer=Offload.CPU if offloads_optimizer else Offload.NONE,
-            gradient_checkpointing=t.gradient_checkpointing,
-            activation_offloading=t.activation_offloading,
-            master_weights=t.master_weights,
+        problems += knob_conflicts(  # the rules of the techniques, as the planner applies them
+            Knobs(
+                precision=t.precision,
+                offload_optimizer=Offload.CPU if offloads_optimizer else Offload.NONE,
+                gradient_checkpointing=t.gradient_checkpointing,
+                activation_offloading=t.activation_offloading,
+                master_weights=t.master_weights,
+            )
         )
         if ds.optimizer is not None:
             built = DEEPSPEED_OPTIMIZER_TYPES[ds.optimizer.type.lower()]

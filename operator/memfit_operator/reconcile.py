@@ -456,7 +456,7 @@ def _replan_after_oom(
     budget = _Budget(status.replans, job.spec.max_replans, "re-plan(s)", "maxReplans", Reason.REPLAN_LIMIT_REACHED)
     if not _end_attempt(run, attempt, pods, Outcome.OUT_OF_MEMORY, why, budget):
         return
-    status.excluded_strategies.append(plan.strategy.summary())
+    status.excluded_strategies.append(plan.strategy.identity())
     result, layout_kept = replan_after_oom(job.spec, run.observation.pools, plan, status.excluded_strategies)
     if result.chosen is None:
         advice = "; ".join(result.advice)

@@ -297,7 +297,7 @@ def test_out_of_memory_replans_to_a_leaner_strategy(
     launched(api, "oom", 2, 1)
     status = read_job(api, "oom")["status"]
     assert status["replans"] == 1 and status["restarts"] == 0
-    assert status["excludedStrategies"] == [before.strategy.summary()]
+    assert status["excludedStrategies"] == [before.strategy.identity()]
     assert status["plan"]["memory"]["perGPU"]["total"] < before.memory.per_gpu.total
     assert status["attempts"][0]["outcome"] == "OutOfMemory"
     assert "CUDA out of memory at step 1" in status["attempts"][0]["reason"]
