@@ -20,8 +20,8 @@ from memfit.api.gpupool import GPUPool, PoolCapacity, pool_capacity
 from memfit.api.plan import PlanCandidate, RejectedCandidate
 from memfit.api.vocabulary import Method, Offload, StepPhase
 from memfit.planner.layouts import layouts
+from memfit.units import GIB
 
-GIB = 1024**3
 LONG_SEQUENCE = 256
 """Below this many tokens per sequence a shorter sequence is not worth suggesting."""
 
