@@ -166,6 +166,12 @@ class Outcome(StrEnum):
     SUSPENDED = "Suspended"
 
 
+EndedOutcome = Literal[
+    Outcome.SUCCEEDED, Outcome.FAILED, Outcome.OUT_OF_MEMORY, Outcome.CONFIG_ERROR, Outcome.SUSPENDED
+]
+"""How an attempt ended (never pending or running: an attempt under way has no outcome yet)."""
+
+
 class TerminationReason(StrEnum):
     """The ``reason`` of the trainer's termination message (memfit.contract.termination)."""
 
