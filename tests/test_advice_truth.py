@@ -20,7 +20,8 @@ from memfit.api.gpupool import GPUPool, PoolCapacity, pool_capacity
 from memfit.api.plan import PlanCandidate, PlanResult, RejectedCandidate
 from memfit.api.vocabulary import EIGHT_BIT_OPTIMIZERS, Method, StepPhase
 from memfit.planner.search import plan_job
-from tests.planning_fixtures import A100_NODE, GIB, RTX_4090, RTX_4090_BIG_HOST, V100_NODE, job, pool, unvalidated_job
+from memfit.units import GIB
+from tests.planning_fixtures import A100_NODE, RTX_4090, RTX_4090_BIG_HOST, V100_NODE, job, pool, unvalidated_job
 
 T4_ONE = pool("t4", "Tesla-T4", 1, 1, 64)
 T4 = pool("t4", "Tesla-T4", 4, 2, 180)

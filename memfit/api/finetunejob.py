@@ -30,6 +30,7 @@ from memfit.api.plan import PlanCandidate
 from memfit.api.vocabulary import (
     Attention,
     DatasetFormat,
+    EndedOutcome,
     Engine,
     MasterWeights,
     Method,
@@ -434,8 +435,8 @@ class Attempt(ApiModel):
     """When the attempt was launched (RFC 3339)."""
     finished: StrictStr | None = None
     """When it ended (RFC 3339)."""
-    outcome: StrictStr | None = None
-    """Succeeded, Failed, OutOfMemory, Suspended, ..."""
+    outcome: EndedOutcome | None = None
+    """Succeeded, Failed, OutOfMemory, ConfigError or Suspended; null while the attempt runs."""
     reason: StrictStr | None = None
     """Why it ended, in a sentence."""
     resumed_from_step: Annotated[int, Strict(), Field(ge=0, le=MAX_COUNTER)] | None = None

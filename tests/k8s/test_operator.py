@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from memfit.api.finetunejob import FineTuneJob
 from memfit.api.loading import load_documents
+from memfit.api.vocabulary import MANAGED_BY, MANAGED_BY_LABEL
 from memfit.planner.search import plan_job
 from memfit.render.trainer_config import render_trainer_config
 from memfit_operator import objects as operator_objects
@@ -572,7 +573,7 @@ def test_pods_with_the_jobs_labels_that_it_does_not_own_are_left_alone(
                      "uid": "00000000-0000-0000-0000-000000000000", "controller": True}  # fmt: skip
     assert created["metadata"]["uid"] != spoofed_owner["uid"]
     for decoy, owners in (("decoy-labels", []), ("decoy-owner-name", [spoofed_owner])):
-        labels = {"app.kubernetes.io/managed-by": "memfit", JOB_LABEL: "decoyed", ATTEMPT_LABEL: "7",
+        labels = {MANAGED_BY_LABEL: MANAGED_BY, JOB_LABEL: "decoyed", ATTEMPT_LABEL: "7",
                   operator_objects.RANK_LABEL: "0"}  # fmt: skip
         core.create_namespaced_pod(NAMESPACE, {
             "metadata": {"name": decoy, "labels": labels, "ownerReferences": owners},

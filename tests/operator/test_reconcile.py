@@ -19,13 +19,13 @@ import yaml
 from memfit.api.finetunejob import FineTuneJobSpec, FineTuneJobStatus, Progress
 from memfit.api.gpupool import GPUPool
 from memfit.api.loading import load_documents
-from memfit.api.vocabulary import Phase
+from memfit.api.vocabulary import MANAGED_BY, MANAGED_BY_LABEL, Phase
+from memfit.units import GIB
 from memfit_operator.objects import ATTEMPT_LABEL, CONFIG_FILE, RANK_LABEL, TrainerOptions
 from memfit_operator.reconcile import Decision, Event, Observation, reconcile
 
 ROOT = Path(__file__).parent.parent.parent
 IMAGE = "registry.example/memfit-trainer:0.1.0"
-GIB = 1024**3
 POOLS: list[GPUPool] = load_documents(ROOT / "examples" / "inventory.yaml").pools
 
 
@@ -358,7 +358,7 @@ def test_pods_the_job_does_not_control_are_neither_followed_nor_deleted(gang: Fa
     gang.launch_running()
     mine = gang.attempt_pods(1)
     for name, attempt, phase in (("decoy-old", "7", "Running"), ("decoy-failed", "1", "Failed")):
-        labels = {"app.kubernetes.io/managed-by": "memfit", "memfit.dev/job": "llama-chat", ATTEMPT_LABEL: attempt,
+        labels = {MANAGED_BY_LABEL: MANAGED_BY, "memfit.dev/job": "llama-chat", ATTEMPT_LABEL: attempt,
                   RANK_LABEL: "0"}  # fmt: skip
         status = {"phase": phase, "podIP": "169.254.169.254"}
         gang.pods[name] = {"metadata": {"name": name, "labels": labels, "ownerReferences": owners}, "status": status}
