@@ -1,4 +1,4 @@
-"""The FSDP2 engine's memory and throughput accounting (memfit/memory/fsdp2.py), term by term."""
+"""The FSDP2 engine's memory and throughput accounting (memfit/memory/engines/fsdp2.py), term by term."""
 
 from __future__ import annotations
 
@@ -11,16 +11,18 @@ from memfit.api.plan import Strategy
 from memfit.api.vocabulary import Attention, Engine, MasterWeights, Method, Offload, Optimizer, Precision
 from memfit.catalog.models import MODEL_PRESETS
 from memfit.memory.activations import estimate_activations
+from memfit.memory.engines.fsdp2 import Fsdp2Step, fsdp2_groups, fsdp2_step
 from memfit.memory.estimate import (
     LoraSettings,
     activation_setup,
     host_memory_per_node,
     loaded_on_host,
+    model_states,
     peak_memory,
     static_memory,
 )
-from memfit.memory.fsdp2 import fsdp2_groups, fsdp2_step
-from memfit.memory.states import NF4_BYTES_PER_PARAMETER, model_states
+from memfit.memory.setup import StaticSetup
+from memfit.memory.sizes import NF4_BYTES_PER_PARAMETER
 from memfit.planner import throughput
 
 SHAPE = MODEL_PRESETS["llama-2-7b"]
@@ -74,15 +76,16 @@ def test_cpu_offload_moves_every_sharded_state_to_the_host() -> None:
     on_gpu, offloaded = states(fsdp2()), states(fsdp2(offload=Offload.CPU))
     assert (offloaded.parameters, offloaded.gradients, offloaded.optimizer_states) == (0, 0, 0)
     assert offloaded.cpu_per_rank == on_gpu.parameters + on_gpu.gradients + on_gpu.optimizer_states
-    step = fsdp2_step(SHAPE, fsdp2(offload=Offload.CPU), LORA.rank, LORA.targets)
+    step = fsdp2_step(SHAPE, StaticSetup.of(fsdp2(offload=Offload.CPU)), LORA.rank, LORA.targets)
     assert step.layer_sharded_gradient == step.root_sharded_gradient == 0  # copied to the host when reduced
-    assert step.root == fsdp2_step(SHAPE, fsdp2(), LORA.rank, LORA.targets).root  # still gathered on the GPU
-    static = static_memory(SHAPE, fsdp2(offload=Offload.CPU), LORA)
+    gathered = fsdp2_step(SHAPE, StaticSetup.of(fsdp2()), LORA.rank, LORA.targets)
+    assert step.root == gathered.root  # still gathered on the GPU
+    static = static_memory(SHAPE, StaticSetup.of(fsdp2(offload=Offload.CPU)), LORA)
     assert static.cpu_per_node >= 8 * offloaded.cpu_per_rank
 
 
 def _peak(strategy: Strategy, seq: int = 2048) -> tuple[int, int]:
-    static = static_memory(SHAPE, strategy, LORA)
+    static = static_memory(SHAPE, StaticSetup.of(strategy), LORA)
     acts = estimate_activations(SHAPE, activation_setup(SHAPE, strategy, seq, LORA))
     memory = peak_memory(static, acts, strategy.gradient_accumulation_steps)
     assert memory.phases is not None
@@ -91,7 +94,7 @@ def _peak(strategy: Strategy, seq: int = 2048) -> tuple[int, int]:
 
 def test_keeping_parameters_gathered_holds_every_layer_at_the_loss() -> None:
     groups = fsdp2_groups(SHAPE, Method.FULL, LORA.rank, LORA.targets)
-    keep, reshard = fsdp2_step(SHAPE, fsdp2(stage=2), 16, LORA.targets), fsdp2_step(SHAPE, fsdp2(), 16, LORA.targets)
+    keep, reshard = (fsdp2_step(SHAPE, StaticSetup.of(s), 16, LORA.targets) for s in (fsdp2(stage=2), fsdp2()))
     assert keep.layer == reshard.layer == 2 * groups.layer
     acts = estimate_activations(SHAPE, activation_setup(SHAPE, fsdp2(), 2048, LORA))
     at_loss_keep, at_loss_reshard = keep.moments(acts, False)[0], reshard.moments(acts, False)[0]
@@ -110,7 +113,7 @@ def test_the_root_group_is_the_embedding_the_final_norm_and_the_head() -> None:
 def test_the_roots_reduce_scatter_is_counted_at_the_end_of_the_backward() -> None:
     """fp32 reduction: the root's bf16 gradients and their fp32 reduce-scatter input, 6 bytes per root
     parameter, on top of every layer's sharded gradient."""
-    step = fsdp2_step(SHAPE, fsdp2(), 16, LORA.targets)
+    step = fsdp2_step(SHAPE, StaticSetup.of(fsdp2()), 16, LORA.targets)
     g = fsdp2_groups(SHAPE, Method.FULL, 16, LORA.targets)
     acts = estimate_activations(SHAPE, activation_setup(SHAPE, fsdp2(), 1, LORA))
     end = step.moments(acts, False)[-1]
@@ -123,8 +126,8 @@ def test_gradient_accumulation_keeps_every_sharded_gradient() -> None:
 
 
 def test_fsdp2_has_no_deepspeed_buckets_and_phases_add_up() -> None:
-    static = static_memory(SHAPE, fsdp2(), LORA)
-    assert static.communication_buffers == 0 and static.fsdp2 is not None
+    static = static_memory(SHAPE, StaticSetup.of(fsdp2()), LORA)
+    assert static.communication_buffers == 0 and isinstance(static.forward_backward, Fsdp2Step)
     acts = estimate_activations(SHAPE, activation_setup(SHAPE, fsdp2(), 2048, LORA))
     memory = peak_memory(static, acts, 1)
     from memfit.memory.estimate import step_total
@@ -166,7 +169,7 @@ def test_seventy_billion_qlora_fits_two_24_gb_gpus_only_sharded_by_fsdp2() -> No
     whole (35 GB) fits no 24 GB GPU, so DeepSpeed's QLoRA cannot; sharded, each rank holds half the packed
     codes plus every quant state (tests/trainer/test_fsdp2_qlora.py checks these terms against the real
     tensors of a sharded model)."""
-    from memfit.memory.fsdp2 import packed_bytes, replicated_quant_states
+    from memfit.memory.engines.fsdp2 import packed_bytes, replicated_quant_states
     from memfit.memory.states import trainable_split
     from memfit.planner.search import plan_job
     from tests.planning_fixtures import job, pool
@@ -189,11 +192,11 @@ def test_every_fsdp2_rank_builds_its_model_on_the_host_before_sharding() -> None
     """The trainer's FSDP2 path builds the whole model on each rank's host (no partitioned construction as
     under DeepSpeed ZeRO-3): 16-bit for full and LoRA, the 4-bit model for QLoRA."""
     deepspeed = fsdp2(engine=Engine.DEEPSPEED)
-    assert loaded_on_host(SHAPE, deepspeed) == 0  # ZeRO-3 builds partitioned
-    assert loaded_on_host(SHAPE, fsdp2()) == 2 * P
+    assert loaded_on_host(SHAPE, StaticSetup.of(deepspeed)) == 0  # ZeRO-3 builds partitioned
+    assert loaded_on_host(SHAPE, StaticSetup.of(fsdp2())) == 2 * P
     quantized = SHAPE.quantizable_parameters
-    four_bit = loaded_on_host(SHAPE, fsdp2(method=Method.QLORA))
+    four_bit = loaded_on_host(SHAPE, StaticSetup.of(fsdp2(method=Method.QLORA)))
     assert four_bit == int(quantized * NF4_BYTES_PER_PARAMETER) + 2 * (P - quantized)
-    assert loaded_on_host(SHAPE, dataclasses.replace(deepspeed, method=Method.QLORA, zero_stage=2)) == 0
-    cpu, _ = host_memory_per_node(SHAPE, fsdp2(), states(fsdp2()))
+    assert loaded_on_host(SHAPE, StaticSetup.of(dataclasses.replace(deepspeed, method=Method.QLORA, zero_stage=2))) == 0
+    cpu, _ = host_memory_per_node(SHAPE, StaticSetup.of(fsdp2()), states(fsdp2()))
     assert cpu >= 8 * 2 * P  # eight ranks, each with the 16-bit model

@@ -10,8 +10,8 @@ from __future__ import annotations
 from memfit.api.gpupool import PoolCapacity
 from memfit.api.plan import PlanThroughput, Strategy
 from memfit.api.vocabulary import Engine, Method, Offload, Precision
-from memfit.memory.fsdp2 import fsdp2_widths
-from memfit.memory.states import compute_bytes
+from memfit.memory.engines.fsdp2 import fsdp2_widths
+from memfit.memory.sizes import compute_bytes
 from memfit.model_shape import ModelShape
 
 PEAK_EFFICIENCY = 0.5
@@ -89,7 +89,7 @@ def _fsdp2_communication_bytes(shape: ModelShape, strategy: Strategy, trainable:
     (frozen ones too) in the gathered dtype and reduce-scatters the trained ones' gradients in
     ``reduce_dtype`` (no ``no_sync``: gradients are reduced every micro-batch), each a ring's (n-1)/n."""
     n = strategy.gpus
-    w = fsdp2_widths(strategy)
+    w = fsdp2_widths(strategy.precision, strategy.master_weights)
     frozen = shape.parameter_count if strategy.method != Method.FULL else 0
     per_micro = _fsdp2_gathers(strategy) * (trainable + frozen) * w.gathered + trainable * w.reduce
     return (n - 1) / n * per_micro * strategy.gradient_accumulation_steps
@@ -99,7 +99,7 @@ def _fsdp2_offload_seconds(shape: ModelShape, strategy: Strategy, pool: PoolCapa
     """CPUOffloadPolicy: each all-gather copies the rank's parameter shards host-to-device, each reduced
     gradient shard goes device-to-host, every micro-batch; the optimizer steps the shards on the CPU."""
     n, per_node = strategy.gpus, strategy.gpus_per_node
-    w = fsdp2_widths(strategy)
+    w = fsdp2_widths(strategy.precision, strategy.master_weights)
     frozen = shape.parameter_count if strategy.method != Method.FULL else 0
     shard = (trainable * w.sharded_trained + frozen * w.sharded_frozen) / n
     pcie = (_fsdp2_gathers(strategy) * shard + trainable * w.reduce / n) * strategy.gradient_accumulation_steps
