@@ -24,6 +24,8 @@ from memfit.memory.estimate import (
 from memfit.memory.setup import StaticSetup
 from memfit.memory.sizes import NF4_BYTES_PER_PARAMETER
 from memfit.planner import throughput
+from memfit.planner.engine import CPU_ADAM_PARAMS_PER_SECOND_PER_NODE
+from memfit.planner.engines.fsdp2 import fsdp2_communication_bytes
 
 SHAPE = MODEL_PRESETS["llama-2-7b"]
 P = SHAPE.parameter_count
@@ -147,11 +149,11 @@ def test_fsdp2_communication_volume() -> None:
     """Per micro-batch: bf16 all-gathers of every parameter (forward, and backward when resharding; none for
     the recomputation, which runs with the layer gathered) and an fp32 reduce-scatter of the gradients."""
     ring = 7 / 8
-    reshard = throughput._fsdp2_communication_bytes(SHAPE, fsdp2(gradient_checkpointing=True), P)
+    reshard = fsdp2_communication_bytes(SHAPE, fsdp2(gradient_checkpointing=True), P)
     assert reshard == pytest.approx(ring * (2 * 2 * P + 4 * P))
-    keep = throughput._fsdp2_communication_bytes(SHAPE, fsdp2(stage=2, gradient_accumulation_steps=2), P)
+    keep = fsdp2_communication_bytes(SHAPE, fsdp2(stage=2, gradient_accumulation_steps=2), P)
     assert keep == pytest.approx(2 * ring * (2 * P + 4 * P))
-    bf16 = throughput._fsdp2_communication_bytes(SHAPE, fsdp2(master_weights=MasterWeights.BF16), P)
+    bf16 = fsdp2_communication_bytes(SHAPE, fsdp2(master_weights=MasterWeights.BF16), P)
     assert bf16 == pytest.approx(ring * (2 * 2 * P + 2 * P))
 
 
@@ -159,7 +161,7 @@ def test_fsdp2_offload_costs_pcie_and_the_cpu_optimizer() -> None:
     on_gpu = throughput.step_seconds(SHAPE, fsdp2(), POOL, 2048, P)
     offloaded = throughput.step_seconds(SHAPE, fsdp2(offload=Offload.CPU), POOL, 2048, P)
     pcie = (2 * 4 * P / 8 + 4 * P / 8) / POOL.pcie_bytes_per_second
-    cpu_adam = P / 8 / (throughput.CPU_ADAM_PARAMS_PER_SECOND_PER_NODE / 8)
+    cpu_adam = P / 8 / (CPU_ADAM_PARAMS_PER_SECOND_PER_NODE / 8)
     assert offloaded - on_gpu == pytest.approx(pcie + cpu_adam)
 
 
