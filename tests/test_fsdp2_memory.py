@@ -202,3 +202,35 @@ def test_every_fsdp2_rank_builds_its_model_on_the_host_before_sharding() -> None
     assert loaded_on_host(SHAPE, StaticSetup.of(dataclasses.replace(deepspeed, method=Method.QLORA, zero_stage=2))) == 0
     cpu, _ = host_memory_per_node(SHAPE, StaticSetup.of(fsdp2()), states(fsdp2()))
     assert cpu >= 8 * 2 * P  # eight ranks, each with the 16-bit model
+
+
+def test_static_memory_is_set_up_with_the_chunked_loss_it_reads() -> None:
+    """fsdp2's forward-loss moment depends on chunked_loss: the planner's static-memory cache, keyed by the
+    setup, must not serve one variant the other's (a hand-typed key once left chunked_loss out)."""
+    plain, chunked = fsdp2(), fsdp2(chunked_loss=True)
+    assert StaticSetup.of(plain) != StaticSetup.of(chunked)
+    assert static_memory(SHAPE, StaticSetup.of(plain), LORA) != static_memory(SHAPE, StaticSetup.of(chunked), LORA)
+
+
+def test_every_plan_of_a_chunked_loss_fsdp2_search_has_its_own_strategys_memory() -> None:
+    """Each plan the planner reports, fitting or not, carries what its own strategy computes afresh."""
+    from memfit.planner.search import plan_job
+    from tests.plan_grid import INVENTORY
+    from tests.planning_fixtures import job
+
+    spec = job(
+        "llama-3.2-3b",
+        "full",
+        training={"globalBatchSize": 16, "sequenceLength": 4096, "maxGradNorm": 0},
+        strategy={"engine": "fsdp2"},
+    )
+    result = plan_job(spec, INVENTORY)
+    shape = spec.model.architecture.shape()
+    lora = LoraSettings(spec.lora.rank, tuple(spec.lora.target_modules), spec.lora.dropout > 0)
+    plans = [*result.candidates, *result.rejected]
+    assert any(p.strategy.chunked_loss for p in plans) and any(not p.strategy.chunked_loss for p in plans)
+    for plan in plans:
+        s = plan.strategy
+        static = static_memory(shape, StaticSetup.of(s), lora)
+        activations = estimate_activations(shape, activation_setup(shape, s, spec.training.sequence_length, lora))
+        assert plan.memory == peak_memory(static, activations, s.gradient_accumulation_steps), s.summary()

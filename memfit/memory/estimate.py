@@ -11,6 +11,10 @@ A training step has two peaks and the GPU must hold the larger:
 Both moments are reported (``memory.phases``), each a breakdown whose parts add up to its total, with
 the one that binds. The per-GPU summary is the binding moment's, except that its activations are always
 the forward/backward's (the plan contract's meaning: the optimizer step holds none).
+
+What differs between training engines (model states, communication buffers, host loading, the moments of
+the forward/backward) each engine answers for itself (:mod:`memfit.memory.engines`): this module asks the
+strategy's engine and never branches on it.
 """
 
 from __future__ import annotations

@@ -15,10 +15,7 @@ What the optimizer steps on decides the size of its states, so it is followed te
   DeepSpeed's own Adam, flattens them, which changes nothing for Adam's element-wise states), and without
   mixed precision (fp32, or bf16 masters) the optimizer gets the parameters themselves.
 
-Adafactor factors the second moment of tensors of two or more dimensions only: under ZeRO its flat
-partition gets a full fp32 second moment. bitsandbytes' 8-bit Adam keeps 32-bit states for tensors under
-``min_8bit_size`` elements and, paged, puts the 8-bit states of tensors of at least 1e5 elements in CUDA
-managed memory (see :func:`optimizer_state_bytes`).
+Adafactor's and bitsandbytes' states, per tensor or per partition, are counted in :mod:`memfit.memory.states`.
 
 bf16 master weights (``Strategy.master_weights``, pure bf16 training) change three terms:
 
