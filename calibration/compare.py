@@ -14,7 +14,7 @@ from typing import Any, cast
 
 from memfit.api.vocabulary import Attention, Method, Precision
 from memfit.memory.activations import ActivationEstimate, ActivationSetup, estimate_activations
-from memfit.memory.estimate import forward_backward_moments, gradient_timeline
+from memfit.memory.engines.deepspeed import forward_backward_moments, gradient_timeline
 from memfit.model_shape import ModelFamily, ModelShape
 
 SHAPE_FIELDS = tuple(f.name for f in fields(ModelShape) if f.name != "family")

@@ -134,6 +134,17 @@ class ModelShape:
             LinearModule("down_proj", i, h),
         )
 
+    # --- compute ------------------------------------------------------------------------------
+    def forward_flops_per_token(self, sequence_length: int) -> int:
+        """2 x the active parameters plus causal attention (QK^T and AV over half the sequence on average)."""
+        return 2 * self.active_parameters_per_token + 2 * self.num_layers * sequence_length * self.q_size
+
+    def model_flops_per_token(self, sequence_length: int, trains_base: bool) -> int:
+        """FLOPs one trained token needs, recomputation not counted (MFU's numerator): the backward is twice
+        the forward when the base is trained (6N in all); with a frozen base (LoRA, QLoRA) it computes no weight
+        gradients, so it costs one forward (4N)."""
+        return self.forward_flops_per_token(sequence_length) * (3 if trains_base else 2)
+
     def linears_of(self, role: Role) -> tuple[LinearModule, ...]:
         return tuple(m for m in self.layer_linears if m.role is role)
 

@@ -1,4 +1,4 @@
-"""The FSDP2 engine's memory and throughput accounting (memfit/memory/fsdp2.py), term by term."""
+"""The FSDP2 engine's memory and throughput accounting (memfit/memory/engines/fsdp2.py), term by term."""
 
 from __future__ import annotations
 
@@ -11,17 +11,21 @@ from memfit.api.plan import Strategy
 from memfit.api.vocabulary import Attention, Engine, MasterWeights, Method, Offload, Optimizer, Precision
 from memfit.catalog.models import MODEL_PRESETS
 from memfit.memory.activations import estimate_activations
+from memfit.memory.engines.fsdp2 import Fsdp2Step, fsdp2_groups, fsdp2_step
 from memfit.memory.estimate import (
     LoraSettings,
     activation_setup,
     host_memory_per_node,
     loaded_on_host,
+    model_states,
     peak_memory,
     static_memory,
 )
-from memfit.memory.fsdp2 import fsdp2_groups, fsdp2_step
-from memfit.memory.states import NF4_BYTES_PER_PARAMETER, model_states
+from memfit.memory.setup import StaticSetup
+from memfit.memory.sizes import NF4_BYTES_PER_PARAMETER
 from memfit.planner import throughput
+from memfit.planner.engine import CPU_ADAM_PARAMS_PER_SECOND_PER_NODE
+from memfit.planner.engines.fsdp2 import fsdp2_communication_bytes
 
 SHAPE = MODEL_PRESETS["llama-2-7b"]
 P = SHAPE.parameter_count
@@ -74,15 +78,16 @@ def test_cpu_offload_moves_every_sharded_state_to_the_host() -> None:
     on_gpu, offloaded = states(fsdp2()), states(fsdp2(offload=Offload.CPU))
     assert (offloaded.parameters, offloaded.gradients, offloaded.optimizer_states) == (0, 0, 0)
     assert offloaded.cpu_per_rank == on_gpu.parameters + on_gpu.gradients + on_gpu.optimizer_states
-    step = fsdp2_step(SHAPE, fsdp2(offload=Offload.CPU), LORA.rank, LORA.targets)
+    step = fsdp2_step(SHAPE, StaticSetup.of(fsdp2(offload=Offload.CPU)), LORA.rank, LORA.targets)
     assert step.layer_sharded_gradient == step.root_sharded_gradient == 0  # copied to the host when reduced
-    assert step.root == fsdp2_step(SHAPE, fsdp2(), LORA.rank, LORA.targets).root  # still gathered on the GPU
-    static = static_memory(SHAPE, fsdp2(offload=Offload.CPU), LORA)
+    gathered = fsdp2_step(SHAPE, StaticSetup.of(fsdp2()), LORA.rank, LORA.targets)
+    assert step.root == gathered.root  # still gathered on the GPU
+    static = static_memory(SHAPE, StaticSetup.of(fsdp2(offload=Offload.CPU)), LORA)
     assert static.cpu_per_node >= 8 * offloaded.cpu_per_rank
 
 
 def _peak(strategy: Strategy, seq: int = 2048) -> tuple[int, int]:
-    static = static_memory(SHAPE, strategy, LORA)
+    static = static_memory(SHAPE, StaticSetup.of(strategy), LORA)
     acts = estimate_activations(SHAPE, activation_setup(SHAPE, strategy, seq, LORA))
     memory = peak_memory(static, acts, strategy.gradient_accumulation_steps)
     assert memory.phases is not None
@@ -91,7 +96,7 @@ def _peak(strategy: Strategy, seq: int = 2048) -> tuple[int, int]:
 
 def test_keeping_parameters_gathered_holds_every_layer_at_the_loss() -> None:
     groups = fsdp2_groups(SHAPE, Method.FULL, LORA.rank, LORA.targets)
-    keep, reshard = fsdp2_step(SHAPE, fsdp2(stage=2), 16, LORA.targets), fsdp2_step(SHAPE, fsdp2(), 16, LORA.targets)
+    keep, reshard = (fsdp2_step(SHAPE, StaticSetup.of(s), 16, LORA.targets) for s in (fsdp2(stage=2), fsdp2()))
     assert keep.layer == reshard.layer == 2 * groups.layer
     acts = estimate_activations(SHAPE, activation_setup(SHAPE, fsdp2(), 2048, LORA))
     at_loss_keep, at_loss_reshard = keep.moments(acts, False)[0], reshard.moments(acts, False)[0]
@@ -110,7 +115,7 @@ def test_the_root_group_is_the_embedding_the_final_norm_and_the_head() -> None:
 def test_the_roots_reduce_scatter_is_counted_at_the_end_of_the_backward() -> None:
     """fp32 reduction: the root's bf16 gradients and their fp32 reduce-scatter input, 6 bytes per root
     parameter, on top of every layer's sharded gradient."""
-    step = fsdp2_step(SHAPE, fsdp2(), 16, LORA.targets)
+    step = fsdp2_step(SHAPE, StaticSetup.of(fsdp2()), 16, LORA.targets)
     g = fsdp2_groups(SHAPE, Method.FULL, 16, LORA.targets)
     acts = estimate_activations(SHAPE, activation_setup(SHAPE, fsdp2(), 1, LORA))
     end = step.moments(acts, False)[-1]
@@ -123,8 +128,8 @@ def test_gradient_accumulation_keeps_every_sharded_gradient() -> None:
 
 
 def test_fsdp2_has_no_deepspeed_buckets_and_phases_add_up() -> None:
-    static = static_memory(SHAPE, fsdp2(), LORA)
-    assert static.communication_buffers == 0 and static.fsdp2 is not None
+    static = static_memory(SHAPE, StaticSetup.of(fsdp2()), LORA)
+    assert static.communication_buffers == 0 and isinstance(static.forward_backward, Fsdp2Step)
     acts = estimate_activations(SHAPE, activation_setup(SHAPE, fsdp2(), 2048, LORA))
     memory = peak_memory(static, acts, 1)
     from memfit.memory.estimate import step_total
@@ -144,11 +149,11 @@ def test_fsdp2_communication_volume() -> None:
     """Per micro-batch: bf16 all-gathers of every parameter (forward, and backward when resharding; none for
     the recomputation, which runs with the layer gathered) and an fp32 reduce-scatter of the gradients."""
     ring = 7 / 8
-    reshard = throughput._fsdp2_communication_bytes(SHAPE, fsdp2(gradient_checkpointing=True), P)
+    reshard = fsdp2_communication_bytes(SHAPE, fsdp2(gradient_checkpointing=True), P)
     assert reshard == pytest.approx(ring * (2 * 2 * P + 4 * P))
-    keep = throughput._fsdp2_communication_bytes(SHAPE, fsdp2(stage=2, gradient_accumulation_steps=2), P)
+    keep = fsdp2_communication_bytes(SHAPE, fsdp2(stage=2, gradient_accumulation_steps=2), P)
     assert keep == pytest.approx(2 * ring * (2 * P + 4 * P))
-    bf16 = throughput._fsdp2_communication_bytes(SHAPE, fsdp2(master_weights=MasterWeights.BF16), P)
+    bf16 = fsdp2_communication_bytes(SHAPE, fsdp2(master_weights=MasterWeights.BF16), P)
     assert bf16 == pytest.approx(ring * (2 * 2 * P + 2 * P))
 
 
@@ -156,7 +161,7 @@ def test_fsdp2_offload_costs_pcie_and_the_cpu_optimizer() -> None:
     on_gpu = throughput.step_seconds(SHAPE, fsdp2(), POOL, 2048, P)
     offloaded = throughput.step_seconds(SHAPE, fsdp2(offload=Offload.CPU), POOL, 2048, P)
     pcie = (2 * 4 * P / 8 + 4 * P / 8) / POOL.pcie_bytes_per_second
-    cpu_adam = P / 8 / (throughput.CPU_ADAM_PARAMS_PER_SECOND_PER_NODE / 8)
+    cpu_adam = P / 8 / (CPU_ADAM_PARAMS_PER_SECOND_PER_NODE / 8)
     assert offloaded - on_gpu == pytest.approx(pcie + cpu_adam)
 
 
@@ -166,7 +171,7 @@ def test_seventy_billion_qlora_fits_two_24_gb_gpus_only_sharded_by_fsdp2() -> No
     whole (35 GB) fits no 24 GB GPU, so DeepSpeed's QLoRA cannot; sharded, each rank holds half the packed
     codes plus every quant state (tests/trainer/test_fsdp2_qlora.py checks these terms against the real
     tensors of a sharded model)."""
-    from memfit.memory.fsdp2 import packed_bytes, replicated_quant_states
+    from memfit.memory.engines.fsdp2 import packed_bytes, replicated_quant_states
     from memfit.memory.states import trainable_split
     from memfit.planner.search import plan_job
     from tests.planning_fixtures import job, pool
@@ -189,11 +194,43 @@ def test_every_fsdp2_rank_builds_its_model_on_the_host_before_sharding() -> None
     """The trainer's FSDP2 path builds the whole model on each rank's host (no partitioned construction as
     under DeepSpeed ZeRO-3): 16-bit for full and LoRA, the 4-bit model for QLoRA."""
     deepspeed = fsdp2(engine=Engine.DEEPSPEED)
-    assert loaded_on_host(SHAPE, deepspeed) == 0  # ZeRO-3 builds partitioned
-    assert loaded_on_host(SHAPE, fsdp2()) == 2 * P
+    assert loaded_on_host(SHAPE, StaticSetup.of(deepspeed)) == 0  # ZeRO-3 builds partitioned
+    assert loaded_on_host(SHAPE, StaticSetup.of(fsdp2())) == 2 * P
     quantized = SHAPE.quantizable_parameters
-    four_bit = loaded_on_host(SHAPE, fsdp2(method=Method.QLORA))
+    four_bit = loaded_on_host(SHAPE, StaticSetup.of(fsdp2(method=Method.QLORA)))
     assert four_bit == int(quantized * NF4_BYTES_PER_PARAMETER) + 2 * (P - quantized)
-    assert loaded_on_host(SHAPE, dataclasses.replace(deepspeed, method=Method.QLORA, zero_stage=2)) == 0
-    cpu, _ = host_memory_per_node(SHAPE, fsdp2(), states(fsdp2()))
+    assert loaded_on_host(SHAPE, StaticSetup.of(dataclasses.replace(deepspeed, method=Method.QLORA, zero_stage=2))) == 0
+    cpu, _ = host_memory_per_node(SHAPE, StaticSetup.of(fsdp2()), states(fsdp2()))
     assert cpu >= 8 * 2 * P  # eight ranks, each with the 16-bit model
+
+
+def test_static_memory_is_set_up_with_the_chunked_loss_it_reads() -> None:
+    """fsdp2's forward-loss moment depends on chunked_loss: the planner's static-memory cache, keyed by the
+    setup, must not serve one variant the other's (a hand-typed key once left chunked_loss out)."""
+    plain, chunked = fsdp2(), fsdp2(chunked_loss=True)
+    assert StaticSetup.of(plain) != StaticSetup.of(chunked)
+    assert static_memory(SHAPE, StaticSetup.of(plain), LORA) != static_memory(SHAPE, StaticSetup.of(chunked), LORA)
+
+
+def test_every_plan_of_a_chunked_loss_fsdp2_search_has_its_own_strategys_memory() -> None:
+    """Each plan the planner reports, fitting or not, carries what its own strategy computes afresh."""
+    from memfit.planner.search import plan_job
+    from tests.plan_grid import INVENTORY
+    from tests.planning_fixtures import job
+
+    spec = job(
+        "llama-3.2-3b",
+        "full",
+        training={"globalBatchSize": 16, "sequenceLength": 4096, "maxGradNorm": 0},
+        strategy={"engine": "fsdp2"},
+    )
+    result = plan_job(spec, INVENTORY)
+    shape = spec.model.architecture.shape()
+    lora = LoraSettings(spec.lora.rank, tuple(spec.lora.target_modules), spec.lora.dropout > 0)
+    plans = [*result.candidates, *result.rejected]
+    assert any(p.strategy.chunked_loss for p in plans) and any(not p.strategy.chunked_loss for p in plans)
+    for plan in plans:
+        s = plan.strategy
+        static = static_memory(shape, StaticSetup.of(s), lora)
+        activations = estimate_activations(shape, activation_setup(shape, s, spec.training.sequence_length, lora))
+        assert plan.memory == peak_memory(static, activations, s.gradient_accumulation_steps), s.summary()

@@ -20,6 +20,7 @@ from memfit.api.plan import Strategy
 from memfit.api.vocabulary import Attention, Engine, MasterWeights, Method, Offload, Optimizer, Precision
 from memfit.memory.activations import estimate_activations
 from memfit.memory.estimate import LoraSettings, activation_setup, peak_memory, static_memory
+from memfit.memory.setup import StaticSetup
 from memfit.model_shape import ModelFamily, ModelShape
 
 pytest.importorskip("torch")
@@ -68,7 +69,7 @@ def estimate_vs_trace(shape: ModelShape, world_size: int, case: dict[str, Any], 
 
     record = trace_fsdp2_step(shape, world_size=world_size, micro_batch=micro_batch, seq_len=SEQ, **case)
     strategy = _strategy(world_size, case, micro_batch)
-    static = static_memory(shape, strategy, LORA)
+    static = static_memory(shape, StaticSetup.of(strategy), LORA)
     setup = activation_setup(shape, strategy, SEQ, LORA)
     # The trace's batch is one unpadded sequence per row: SDPA gets no attention mask.
     activations = estimate_activations(shape, dataclasses.replace(setup, masked_batches=False))

@@ -12,15 +12,15 @@ import pytest
 
 from memfit.api.plan import Strategy
 from memfit.catalog.models import MODEL_PRESETS
+from memfit.memory.engines.deepspeed import zero3_working_set
+from memfit.memory.estimate import model_states
+from memfit.memory.sizes import NF4_BYTES_PER_PARAMETER
 from memfit.memory.states import (
     EIGHT_BIT_MIN_SIZE,
-    NF4_BYTES_PER_PARAMETER,
     PAGED_MIN_SIZE,
     QUANTILE_MAP_BYTES,
-    model_states,
     trainable_split,
     trainable_tensors,
-    zero3_working_set,
 )
 from memfit.model_shape import ModelFamily, ModelShape
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from memfit.api.plan import Strategy
-from memfit.memory.states import model_states
+from memfit.memory.estimate import model_states
 from tests.test_memory_states import ANCHORS, SHAPE, P, strategy
 
 pytest.importorskip("deepspeed")

@@ -19,9 +19,9 @@ from memfit.api.vocabulary import Attention, Engine, Method, Offload, Optimizer,
 from memfit.catalog.models import MODEL_PRESETS
 from memfit.contract.trainer_config import TrainerConfig
 from memfit.memory.activations import estimate_activations
-from memfit.memory.estimate import LoraSettings, activation_setup, peak_memory, static_memory
-from memfit.memory.fsdp2 import fsdp2_groups, fsdp2_step
-from memfit.memory.states import model_states
+from memfit.memory.engines.fsdp2 import fsdp2_groups, fsdp2_step
+from memfit.memory.estimate import LoraSettings, activation_setup, model_states, peak_memory, static_memory
+from memfit.memory.setup import StaticSetup
 from memfit.planner.search import plan_job
 from memfit.render.deepspeed import deepspeed_config
 from memfit.render.trainer_config import render_trainer_config
@@ -86,7 +86,7 @@ def test_the_trainer_config_holds_the_same_rules(tmp_path: Path) -> None:
 def _fits_without_it(spec: FineTuneJobSpec, strategy: Strategy) -> bool:
     plain = dataclasses.replace(strategy, optimizer_in_backward=False)
     shape = spec.model.architecture.shape()
-    static = static_memory(shape, plain, LORA)
+    static = static_memory(shape, StaticSetup.of(plain), LORA)
     acts = estimate_activations(shape, activation_setup(shape, plain, spec.training.sequence_length, LORA))
     limit = pool_capacity(RTX_4090).gpu_memory_bytes * (1 - spec.resources.memory_headroom_percent / 100)
     return peak_memory(static, acts, plain.gradient_accumulation_steps).per_gpu.total <= limit
@@ -168,8 +168,9 @@ def test_only_one_groups_sharded_gradient_stays() -> None:
 
 def test_no_sharded_gradient_outlives_its_groups_post_backward() -> None:
     strategy = _fsdp2(gradient_checkpointing=True)
-    plain = fsdp2_step(SHAPE, strategy, LORA.rank, LORA.targets)
-    stepped = fsdp2_step(SHAPE, dataclasses.replace(strategy, optimizer_in_backward=True), LORA.rank, LORA.targets)
+    plain = fsdp2_step(SHAPE, StaticSetup.of(strategy), LORA.rank, LORA.targets)
+    in_backward = StaticSetup.of(dataclasses.replace(strategy, optimizer_in_backward=True))
+    stepped = fsdp2_step(SHAPE, in_backward, LORA.rank, LORA.targets)
     acts = estimate_activations(SHAPE, activation_setup(SHAPE, strategy, 2048, LORA))
     before, after = plain.moments(acts, False), stepped.moments(acts, False)
     first_layer, root_reduce = 4, 6

@@ -12,6 +12,7 @@ from memfit.api.finetunejob import FineTuneJobSpec
 from memfit.api.plan import PlanCandidate, PlanResult
 from memfit.memory.activations import estimate_activations
 from memfit.memory.estimate import LoraSettings, activation_setup, peak_memory, static_memory
+from memfit.memory.setup import StaticSetup
 from memfit.planner.search import plan_job
 from tests.plan_grid import INVENTORY, grid_jobs
 
@@ -28,7 +29,7 @@ def fresh_memory(spec: FineTuneJobSpec, candidate: PlanCandidate) -> object:
     shape = spec.model.architecture.shape()
     lora = LoraSettings(spec.lora.rank, tuple(spec.lora.target_modules), spec.lora.dropout > 0)
     strategy = candidate.strategy
-    static = static_memory(shape, strategy, lora)
+    static = static_memory(shape, StaticSetup.of(strategy), lora)
     setup = activation_setup(shape, strategy, spec.training.sequence_length, lora)
     return peak_memory(static, estimate_activations(shape, setup), strategy.gradient_accumulation_steps)
 

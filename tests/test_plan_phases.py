@@ -15,6 +15,7 @@ from memfit.api.vocabulary import StepPhase
 from memfit.cli.plan_table import print_plan_table
 from memfit.memory.activations import estimate_activations
 from memfit.memory.estimate import LoraSettings, activation_setup, peak_memory, static_memory, step_total
+from memfit.memory.setup import StaticSetup
 from memfit.planner.search import plan_job
 from memfit.units import GIB
 from tests.planning_fixtures import A100_NODE, job
@@ -124,7 +125,7 @@ def test_the_searchs_fast_total_is_the_breakdowns_total() -> None:
         result = plan_job(spec, [A100_NODE])
         for candidate in [*result.candidates, *result.rejected]:
             strategy = candidate.strategy
-            static = static_memory(shape, strategy, lora)
+            static = static_memory(shape, StaticSetup.of(strategy), lora)
             activations = estimate_activations(shape, activation_setup(shape, strategy, 1024, lora))
             memory = peak_memory(static, activations, strategy.gradient_accumulation_steps)
             assert step_total(static, activations, strategy.gradient_accumulation_steps) == memory.per_gpu.total

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from memfit.planner.search import PlanningError, plan_job
+from memfit.units import GIB
 from tests.planning_fixtures import (
     A100_4_NODES,
     A100_NODE,
-    GIB,
     ONE_A100,
     RTX_4090,
     RTX_4090_BIG_HOST,

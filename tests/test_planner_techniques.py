@@ -18,6 +18,7 @@ from memfit.api.vocabulary import MasterWeights
 from memfit.cli.plan_table import print_plan_table
 from memfit.memory.activations import estimate_activations
 from memfit.memory.estimate import LoraSettings, activation_setup, peak_memory, static_memory
+from memfit.memory.setup import StaticSetup
 from memfit.planner.report import MIN_TECHNIQUE_GAIN
 from memfit.planner.search import plan_job
 from tests.planning_fixtures import A100_4_NODES, A100_NODE, ONE_A100, RTX_4090, V100_NODE, job, pool
@@ -71,7 +72,7 @@ def _without_techniques_fits(spec: FineTuneJobSpec, candidate: PlanCandidate, po
     shape = spec.model.architecture.shape()
     lora = LoraSettings(spec.lora.rank, tuple(spec.lora.target_modules), spec.lora.dropout > 0)
     setup = activation_setup(shape, plain, spec.training.sequence_length, lora)
-    memory = peak_memory(static_memory(shape, plain, lora), estimate_activations(shape, setup),
+    memory = peak_memory(static_memory(shape, StaticSetup.of(plain), lora), estimate_activations(shape, setup),
                          plain.gradient_accumulation_steps)  # fmt: skip
     capacity = next(pool_capacity(p) for p in pools if p.metadata.name == plain.pool)
     limit = capacity.gpu_memory_bytes * (1 - spec.resources.memory_headroom_percent / 100)

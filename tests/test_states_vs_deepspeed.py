@@ -25,14 +25,10 @@ from typing import Any
 
 import pytest
 
-from memfit.memory.states import (
-    FP64,
-    ModelStates,
-    largest_trainable_tensor,
-    model_states,
-    trainable_split,
-    zero3_working_set,
-)
+from memfit.memory.engines.deepspeed import zero3_working_set
+from memfit.memory.estimate import model_states
+from memfit.memory.sizes import FP64
+from memfit.memory.states import ModelStates, largest_trainable_tensor, trainable_split
 from tests.deepspeed_allocations import SHAPES, WORLD_SIZE, Case
 from tests.trainer.runs import trainer_env
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.api.vocabulary import Attention, Method, Precision
-from memfit.memory.states import FP32
+from memfit.memory.sizes import FP32
 from memfit.model_shape import ModelFamily, ModelShape
 
 BOOL = 1

@@ -1,41 +1,10 @@
-"""Model states per GPU: weights, gradients and optimizer states under DeepSpeed ZeRO.
-
-The accounting is the ZeRO paper's (Rajbhandari et al. 2020, §3: 2Ψ for 16-bit weights, 2Ψ for 16-bit
-gradients, KΨ for the optimizer with K = 12 for mixed-precision Adam: fp32 master weights, momentum and
-variance; each ZeRO stage partitions one more of them over the N data-parallel ranks) plus the one
-buffer DeepSpeed adds that the paper leaves out: the fp32 copy of a rank's gradient partition that the
-optimizer step works on (DeepSpeed's own estimators count it: ``2Ψ + 18Ψ/N`` for ZeRO-2).
-
-What the optimizer steps on decides the size of its states, so it is followed tensor by tensor:
-
-* ZeRO 1-3 hand the optimizer one flat 1-d partition per rank (``single_partition_of_fp32_groups`` in
-  ``stage_1_and_2.py``, ``fp32_partitioned_groups_flat`` in ``stage3.py``), in the master dtype;
-* ZeRO-0 hands it the model's own tensors: DeepSpeed's mixed precision wraps a client optimizer in
-  ``FP16_UnfusedOptimizer``, which keeps one fp32 master per parameter (its fused ``FP16_Optimizer``, for
-  DeepSpeed's own Adam, flattens them, which changes nothing for Adam's element-wise states), and without
-  mixed precision (fp32, or bf16 masters) the optimizer gets the parameters themselves.
+"""Model states the engines share: which parameters train, the tensors they are, and the optimizer states
+kept for them, as one rank's :class:`ModelStates` (each engine lays them out: :mod:`memfit.memory.engines`).
 
 Adafactor factors the second moment of tensors of two or more dimensions only: under ZeRO its flat
 partition gets a full fp32 second moment. bitsandbytes' 8-bit Adam keeps 32-bit states for tensors under
 ``min_8bit_size`` elements and, paged, puts the 8-bit states of tensors of at least 1e5 elements in CUDA
 managed memory (see :func:`optimizer_state_bytes`).
-
-bf16 master weights (``Strategy.master_weights``, pure bf16 training) change three terms:
-
-========================  ===================  ==========================  ================
-per trainable parameter   ZeRO-0               ZeRO-1/2/3                  fp32 masters
-========================  ===================  ==========================  ================
-master copy               0 (the weights)      2/N (a bf16 clone)          4 (/N under ZeRO)
-Adam moments              2 x 2                2 x 2/N                     2 x 4 (/N)
-Lion momentum             2                    2/N                         4 (/N)
-step gradient             0 (reads .grad)      2/N (the flattened bf16     4 (/N)
-                                               partition)
-========================  ===================  ==========================  ================
-
-Weights and gradients stay 16-bit as with mixed precision; 8-bit and Adafactor states have their own
-dtypes whatever the masters' (bitsandbytes quantizes, Adafactor upcasts to fp32). With bf16 masters the
-step's transients are counted whole (:func:`bf16_step_transient`): the gradient norm's fp64 copy of one
-gradient piece can outgrow the bf16 partition, and ZeRO-0's clipping copies one gradient to fp32.
 """
 
 from __future__ import annotations
@@ -45,35 +14,9 @@ from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 
-from memfit.api.plan import Strategy
-from memfit.api.vocabulary import EIGHT_BIT_OPTIMIZERS, Engine, MasterWeights, Method, Offload, Optimizer, Precision
+from memfit.api.vocabulary import EIGHT_BIT_OPTIMIZERS, Method, Optimizer
+from memfit.memory.sizes import FP32
 from memfit.model_shape import ModelShape
-
-FP64 = 8
-FP32 = 4
-BF16 = 2
-
-NF4_BLOCK = 64
-"""bitsandbytes 4-bit quantizes weights in blocks of 64, one absmax per block."""
-NF4_DOUBLE_QUANT_BLOCK = 256
-"""With double quantization the absmaxes are themselves 8-bit, one fp32 scale per 256 of them."""
-NF4_PACKED_BYTES_PER_PARAMETER = 4 / 8
-"""The 4-bit codes, two per byte, whatever element type packs them (uint8, or bf16 on the fsdp2 engine)."""
-NF4_QUANT_STATE_BYTES_PER_PARAMETER = (8 / NF4_BLOCK + 32 / (NF4_BLOCK * NF4_DOUBLE_QUANT_BLOCK)) / 8
-"""The 8-bit absmax per block and the fp32 second-level scale per 256 blocks, on average."""
-NF4_BYTES_PER_PARAMETER = NF4_PACKED_BYTES_PER_PARAMETER + NF4_QUANT_STATE_BYTES_PER_PARAMETER
-"""4.127 bits: the 4-bit code, the 8-bit absmax per block, the fp32 second-level scale."""
-NF4_CODE_TABLE_BYTES = (16 + 256 + 1) * FP32
-"""Per 4-bit weight, beside its absmaxes: bitsandbytes' ``QuantState`` keeps its own 16-value NF4 code, the
-256-value dynamic map of the double quantization and the absmaxes' offset, all fp32."""
-
-
-def nf4_quant_state_bytes(elements: int) -> int:
-    """Exactly the ``QuantState`` tensors of one double-quantized 4-bit weight of ``elements`` parameters: the
-    uint8 absmax of each block (the last one partial), the fp32 scale of each 256 of them, the code tables."""
-    blocks = math.ceil(elements / NF4_BLOCK)
-    return blocks + FP32 * math.ceil(blocks / NF4_DOUBLE_QUANT_BLOCK) + NF4_CODE_TABLE_BYTES
-
 
 EIGHT_BIT_MIN_SIZE = 4096
 """bitsandbytes' ``min_8bit_size``: a tensor of fewer elements gets two fp32 states instead of 8-bit ones."""
@@ -84,11 +27,6 @@ QUANTILE_MAP_BYTES = 2 * 256 * FP32
 PAGED_MIN_SIZE = 100_000
 """``get_state_buffer``: a paged optimizer puts the states of tensors of at least 1e5 elements in CUDA managed
 memory (``F.get_paged``), smaller ones in ordinary device memory."""
-
-
-def compute_bytes(precision: Precision) -> int:
-    """Bytes of one weight, gradient or activation element in the compute precision."""
-    return FP32 if precision == Precision.FP32 else 2
 
 
 @dataclass(frozen=True)
@@ -275,127 +213,7 @@ class ModelStates:
     """Offloaded states one rank keeps on NVMe."""
 
 
-def zero3_working_set(shape: ModelShape) -> int:
-    """Parameters a ZeRO-3 rank holds gathered at once: the module being computed (the embedding or
-    LM head can be the largest) plus the next layer prefetched, plus the small persistent ones."""
-    return shape.largest_layer_parameters + shape.layer_parameters + shape.norm_parameters
-
-
-def master_bytes(strategy: Strategy) -> int:
-    """Bytes of one master weight (0: the optimizer updates the weights themselves)."""
-    if strategy.precision == Precision.FP32:
-        return 0
-    if strategy.master_weights == MasterWeights.BF16 and strategy.precision == Precision.BF16:
-        return BF16 if strategy.zero_stage > 0 else 0
-    return FP32
-
-
 @lru_cache(maxsize=256)
 def largest_trainable_tensor(shape: ModelShape, method: Method, lora_rank: int, lora_targets: tuple[str, ...]) -> int:
     """Elements of the largest trained tensor (the embedding or LM head in full fine-tuning)."""
     return max(math.prod(t) for t, _ in trainable_tensors(shape, method, lora_rank, lora_targets))
-
-
-def bf16_step_transient(shape: ModelShape, strategy: Strategy, lora_rank: int, lora_targets: tuple[str, ...]) -> float:
-    """What exists only during the optimizer step with bf16 masters, beyond gradients, masters and states.
-
-    ZeRO 1-3 flatten the rank's gradient partition for the optimizer (bf16: ``.to(master dtype)`` then copies
-    nothing), after computing the gradient norm piece by piece, each piece cast to fp64 first
-    (``get_norm_dtype``): the larger of the partition and the largest piece's fp64 copy. A piece is the part of
-    a gradient inside the partition under ZeRO-1/2 and a parameter's partition under ZeRO-3. With bf16 masters
-    the norm's copy is often the larger one (Llama 3.1 8B on 8 GPUs: the 525M-element embedding, 4.2 GB
-    in fp64, against a 2 GB partition).
-
-    ZeRO-0 has no partition (the optimizer reads the gradients) but DeepSpeed clips them itself
-    (``clip_fp32_gradients``: the norm of ``grad.float()``, one gradient at a time): the largest gradient's
-    fp32 copy.
-
-    Adafactor computes in fp32: over bf16 it adds ``grad.float()`` and ``p.float()`` of the tensor it steps
-    (the flat partition under ZeRO, one tensor at a time at ZeRO-0), 8 bytes per element. (Its update's own
-    two fp32 temporaries, 8 bytes per element, exist with fp32 masters too, and like every optimizer's
-    temporaries are not counted here.)"""
-    trainable = trainable_split(shape, strategy.method, lora_rank, lora_targets).trainable
-    largest = largest_trainable_tensor(shape, strategy.method, lora_rank, lora_targets)
-    upcasts = 2 * FP32 if strategy.optimizer == Optimizer.ADAFACTOR else 0
-    if strategy.zero_stage == 0:
-        return max(FP32, upcasts) * largest
-    partition = trainable / strategy.gpus
-    piece = largest / strategy.gpus if strategy.zero_stage == 3 else min(largest, partition)
-    return max((BF16 + upcasts) * partition, FP64 * piece)
-
-
-def model_states(shape: ModelShape, strategy: Strategy, lora_rank: int, lora_targets: tuple[str, ...]) -> ModelStates:
-    """Weights, gradients and optimizer states of one rank for ``strategy``."""
-    if strategy.engine == Engine.FSDP2:
-        from memfit.memory.fsdp2 import fsdp2_model_states  # it builds on this module
-
-        return fsdp2_model_states(shape, strategy, lora_rank, lora_targets)
-    split = trainable_split(shape, strategy.method, lora_rank, lora_targets)
-    n = strategy.gpus
-    stage = strategy.zero_stage
-    w = compute_bytes(strategy.precision)
-    bf16_masters = strategy.master_weights == MasterWeights.BF16 and strategy.precision == Precision.BF16
-
-    # QLoRA: only the decoder linears are 4-bit; the trainer keeps everything else (embeddings, LM head,
-    # norms, adapters) in the compute dtype (memfit_trainer.model.prepare_kbit_model).
-    trainable_bytes = w
-    frozen_bytes = split.frozen_quantized * NF4_BYTES_PER_PARAMETER + split.frozen_unquantized * w
-    weights = frozen_bytes + split.trainable * trainable_bytes
-
-    # What the optimizer updates: fp32 masters (mixed precision), bf16 ones, or the weights themselves.
-    masters = master_bytes(strategy)
-    element_bytes = BF16 if bf16_masters else FP32
-    shards = n if stage >= 1 else 1
-    optimizer: float
-    paged: float = 0
-    if strategy.optimizer in ELEMENTWISE_STATES:  # the same bytes per element in any tensor
-        optimizer = split.trainable * (masters + ELEMENTWISE_STATES[strategy.optimizer] * element_bytes) / shards
-    else:
-        states = optimizer_state_bytes(
-            shape, strategy.method, lora_rank, lora_targets, strategy.optimizer, element_bytes,
-            split.trainable / n if stage >= 1 else None,
-        )  # fmt: skip
-        optimizer = split.trainable * masters / shards + states.device
-        paged = states.paged
-    grads: float = split.trainable * trainable_bytes
-    step_grads: float = split.trainable * masters / shards
-    if bf16_masters:
-        step_grads = bf16_step_transient(shape, strategy, lora_rank, lora_targets)
-    if stage >= 2:
-        grads /= n
-    # Under ZeRO-3 the module being reduced holds its full gradient before the reduce-scatter.
-    gathered_grads = shape.largest_layer_parameters * w if stage == 3 and strategy.method == Method.FULL else 0
-    if stage == 3:
-        working_set = zero3_working_set(shape) * w
-        weights = weights / n + working_set
-        grads += gathered_grads
-        if strategy.offload_parameters != Offload.NONE:
-            weights = working_set
-
-    cpu = nvme = 0.0
-    if strategy.offload_optimizer != Offload.NONE:
-        # Master weights and states move to the host, and reduced gradient partitions are copied
-        # straight into the fp32 buffers the CPU optimizer reads: the GPU keeps only the buckets
-        # (and, under ZeRO-3, the full gradient of the module being reduced).
-        cpu += step_grads
-        grads = gathered_grads
-        if strategy.offload_optimizer == Offload.CPU:
-            cpu += optimizer + paged
-        else:
-            nvme += optimizer + paged
-        optimizer = step_grads = paged = 0
-    cpu += paged
-    if stage == 3 and strategy.offload_parameters != Offload.NONE:
-        shard = (frozen_bytes + split.trainable * trainable_bytes) / n
-        if strategy.offload_parameters == Offload.CPU:
-            cpu += shard
-        else:
-            nvme += shard
-    return ModelStates(
-        parameters=int(weights),
-        gradients=int(grads),
-        step_gradients=int(step_grads),
-        optimizer_states=int(optimizer),
-        cpu_per_rank=int(cpu),
-        nvme_per_rank=int(nvme),
-    )

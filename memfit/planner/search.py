@@ -49,7 +49,7 @@ from memfit.api.vocabulary import (
     PlannedPrecision,
     Precision,
 )
-from memfit.memory.activations import ActivationEstimate, estimate_activations
+from memfit.memory.activations import ActivationEstimate, ActivationSetup, estimate_activations
 from memfit.memory.estimate import (
     LoraSettings,
     StaticMemory,
@@ -57,6 +57,7 @@ from memfit.memory.estimate import (
     static_memory,
     step_total,
 )
+from memfit.memory.setup import StaticSetup
 from memfit.model_shape import ModelShape
 from memfit.planner.advice import Untried, advise
 from memfit.planner.evaluated import Chosen, Evaluated, Fit, shortfall_ratio
@@ -101,8 +102,8 @@ class _Search:
     """The masters this pass plans with (bf16 only where nothing fits with fp32, or pinned)."""
     fits: list[Fit] = field(default_factory=list)
     nearest_misses: dict[tuple[str, int, int, str], Evaluated] = field(default_factory=dict)
-    static: dict[object, StaticMemory] = field(default_factory=dict)
-    activations: dict[object, ActivationEstimate] = field(default_factory=dict)
+    static: dict[StaticSetup, StaticMemory] = field(default_factory=dict)
+    activations: dict[ActivationSetup, ActivationEstimate] = field(default_factory=dict)
     options: dict[
         tuple[PlannedMethod, PlannedPrecision, bool, bool, Engine], tuple[tuple[int, Offload, Offload], ...]
     ] = field(default_factory=dict)
@@ -166,21 +167,17 @@ class _Search:
             heapq.heapreplace(heap, fit.tokens_per_second)
 
     def static_memory(self, template: Strategy) -> StaticMemory:
-        key = (template.method, template.zero_stage, template.offload_optimizer, template.offload_parameters,
-               template.nodes, template.gpus_per_node, template.precision, template.master_weights,
-               template.engine, template.optimizer_in_backward)  # fmt: skip
-        if key not in self.static:
-            self.static[key] = static_memory(self.shape, template, self.lora)
-        return self.static[key]
+        setup = StaticSetup.of(template)
+        static = self.static.get(setup)
+        if static is None:
+            static = self.static[setup] = static_memory(self.shape, setup, self.lora)
+        return static
 
     def activation_estimate(self, template: Strategy, micro_batch_size: int) -> ActivationEstimate:
-        key = (template.method, template.precision, template.gradient_checkpointing, micro_batch_size,
-               template.attention, template.chunked_loss, template.activation_offloading)  # fmt: skip
-        estimate = self.activations.get(key)
+        setup = activation_setup(self.shape, template, self.sequence_length, self.lora, micro_batch_size)
+        estimate = self.activations.get(setup)
         if estimate is None:
-            strategy = replace(template, micro_batch_size=micro_batch_size)
-            setup = activation_setup(self.shape, strategy, self.sequence_length, self.lora)
-            estimate = self.activations[key] = estimate_activations(self.shape, setup)
+            estimate = self.activations[setup] = estimate_activations(self.shape, setup)
         return estimate
 
 

@@ -14,6 +14,7 @@ from memfit.api.finetunejob import FineTuneJob
 from memfit.api.loading import load_documents
 from memfit.memory.activations import estimate_activations
 from memfit.memory.estimate import LoraSettings, activation_setup, peak_memory, static_memory
+from memfit.memory.setup import StaticSetup
 from memfit.planner.search import plan_job
 from memfit.render.trainer_config import render_trainer_config
 from memfit_operator import objects
@@ -246,7 +247,7 @@ def test_offloaded_activations_are_in_the_pods_memory_request(job) -> None:  # t
     assert host > 0
     without = dataclasses.replace(strategy, activation_offloading=False)
     activations = estimate_activations(shape, activation_setup(shape, without, sequence, lora))
-    cpu_without = peak_memory(static_memory(shape, without, lora), activations, 1).per_node.cpu
+    cpu_without = peak_memory(static_memory(shape, StaticSetup.of(without), lora), activations, 1).per_node.cpu
     assert plan.memory.per_node.cpu == cpu_without + strategy.gpus_per_node * host  # every rank's inputs
     container = objects.trainer_pod(job_, plan, pool, 1, 0, IMAGE)["spec"]["containers"][0]
     assert mebibytes(container["resources"]["requests"]["memory"]) >= plan.memory.per_node.cpu

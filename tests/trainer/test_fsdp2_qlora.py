@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 
 from memfit.api.plan import Strategy
 from memfit.api.vocabulary import Attention, Engine, MasterWeights, Method, Offload, Optimizer, Precision
-from memfit.memory.states import model_states
+from memfit.memory.estimate import model_states
 from tests.trainer.runs import MICRO_BATCH, TINY_LLAMA, WORLD_SIZE, make_config
 
 pytestmark = pytest.mark.distributed

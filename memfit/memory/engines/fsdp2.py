@@ -40,7 +40,7 @@ with bf16 masters, plus the working set below. What torch allocates, by file of
 * the LM head's unsharded gradient (c x V x h) exists from the loss's backward until the root's
   post-backward at the very end, when the embedding's joins it (tied: is added to it).
 
-The backward's worst moments (:func:`fsdp2_moments`): its start (loss buffers), the last layer's backward
+The backward's worst moments (:meth:`Fsdp2Step.moments`): its start (loss buffers), the last layer's backward
 (head gradient, the layer's own gradients, the prefetched layer), the first layer's (every other layer's
 sharded gradient and the second layer's reduce-scatter input) and the root's reduce-scatter at the end
 (every layer's sharded gradient, the root's unsharded gradients and its r x R input buffer: for Llama 3.1
@@ -72,25 +72,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.api.plan import Strategy
-from memfit.api.vocabulary import Engine, MasterWeights, Method, Offload, Precision
+from memfit.api.vocabulary import MasterWeights, Method, Offload, Precision
 from memfit.memory.activations import LOSS_BYTES_PER_LOGIT, ActivationEstimate
-from memfit.memory.states import (
+from memfit.memory.engine import Moment
+from memfit.memory.setup import StaticSetup
+from memfit.memory.sizes import (
     BF16,
-    ELEMENTWISE_STATES,
     FP32,
+    NF4_BYTES_PER_PARAMETER,
     NF4_PACKED_BYTES_PER_PARAMETER,
-    ModelStates,
     compute_bytes,
     nf4_quant_state_bytes,
-    optimizer_state_bytes,
-    trainable_split,
 )
+from memfit.memory.states import ELEMENTWISE_STATES, ModelStates, optimizer_state_bytes, trainable_split
 from memfit.model_shape import ModelShape
-
-
-def is_fsdp2(strategy: Strategy) -> bool:
-    return strategy.engine == Engine.FSDP2
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,10 +103,10 @@ class Fsdp2Widths:
     """The reduce-scatter buffers (``reduce_dtype``) and so the sharded gradient."""
 
 
-def fsdp2_widths(strategy: Strategy) -> Fsdp2Widths:
-    c = compute_bytes(strategy.precision)
-    fp32 = strategy.precision == Precision.FP32
-    bf16_masters = strategy.master_weights == MasterWeights.BF16 and not fp32
+def fsdp2_widths(precision: Precision, master_weights: MasterWeights) -> Fsdp2Widths:
+    c = compute_bytes(precision)
+    fp32 = precision == Precision.FP32
+    bf16_masters = master_weights == MasterWeights.BF16 and not fp32
     trained = BF16 if bf16_masters else FP32
     return Fsdp2Widths(sharded_trained=trained, sharded_frozen=c, gathered=c, reduce=trained)
 
@@ -159,21 +154,6 @@ def replicated_quant_states(shape: ModelShape, method: Method) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class Fsdp2Moment:
-    """What one GPU holds at one moment of the forward/backward beyond the resident sharded states."""
-
-    parameters: int
-    """Gathered (unsharded) parameters and all-gather buffers."""
-    gradients: int
-    """Sharded gradients made so far, unsharded gradients and reduce-scatter buffers."""
-    activations: int
-
-    @property
-    def total(self) -> int:
-        return self.parameters + self.gradients + self.activations
-
-
-@dataclass(frozen=True, slots=True)
 class Fsdp2Step:
     """FSDP2's buffers of one strategy, in bytes, that do not depend on the micro-batch; :meth:`moments`
     adds one micro-batch's activations (module docstring)."""
@@ -212,7 +192,7 @@ class Fsdp2Step:
     """With the step in backward, on the GPU: the foreach AdamW step's ``sqrt(exp_avg_sq)`` of the LM head's
     (or the embedding's) shard, while the root's reduce buffers are still held."""
 
-    def moments(self, activations: ActivationEstimate, grads_persist: bool) -> tuple[Fsdp2Moment, ...]:
+    def moments(self, activations: ActivationEstimate, grads_persist: bool) -> tuple[Moment, ...]:
         """The forward's loss, the root's re-gather at the backward's first hook (resharding), the backward's
         start, the last layer's backward, the first layer's and the root's reduce-scatter at its end."""
         a = activations
@@ -242,50 +222,56 @@ class Fsdp2Step:
         moments = [
             # The loss is computed inside the root's forward: the last layer's flat all-gather output is
             # still in all_gather_state (freed by the root's post-forward).
-            Fsdp2Moment(self.root + self.layer + kept, done(0), forward_loss),
+            Moment(self.root + self.layer + kept, done(0), forward_loss),
             # The backward's start: resharding, the root's pre-backward re-gathers it (flat output + copy).
-            Fsdp2Moment(2 * self.root if self.reshard_after_forward else self.root + kept, done(0), hook),
+            Moment(2 * self.root if self.reshard_after_forward else self.root + kept, done(0), hook),
             # Then it prefetches the last layer (its flat output) and the loss's gradients appear.
-            Fsdp2Moment(self.root + (kept if kept else self.layer), done(0), a.loss_moment),
+            Moment(self.root + (kept if kept else self.layer), done(0), a.loss_moment),
             # Last layer's backward: the root, the layer, the one before prefetched (or every layer still
             # gathered), the head's gradient and the layer's own.
-            Fsdp2Moment(
+            Moment(
                 self.root + (kept if kept else 2 * self.layer),
                 done(0) + self.head_gradient + self.layer_gradient,
                 a.layer_moment,
             ),
             # First layer's backward: the second layer's reduce-scatter input is still held.
-            Fsdp2Moment(
+            Moment(
                 self.root + self.layer,
                 done(self.layers - 1) + self.head_gradient + self.layer_gradient + self.layer_reduce_input,
                 a.first_layer_moment,
             ),
             # The embedding's backward done: the root still gathered, all its gradients (tied: added up), the
             # first layer's reduce-scatter input still held.
-            Fsdp2Moment(
+            Moment(
                 self.root,
                 done(self.layers) + self.layer_reduce_input + self.root_gradient + self.tied_sum,
                 a.backward_end,
             ),
             # The root's post-backward: resharded, its gradients copied into its reduce-scatter input (the
             # first layer's is released just before).
-            Fsdp2Moment(0, done(self.layers) + root_gradients + self.root_reduce_input, a.backward_end),
+            Moment(0, done(self.layers) + root_gradients + self.root_reduce_input, a.backward_end),
         ]
         return tuple(moments)
 
+    def binding(self, activations: ActivationEstimate, grads_persist: bool) -> Moment:
+        return max(self.moments(activations, grads_persist), key=lambda m: m.total)
 
-def fsdp2_step(shape: ModelShape, strategy: Strategy, lora_rank: int, lora_targets: tuple[str, ...]) -> Fsdp2Step:
-    """The buffers of :class:`Fsdp2Step` for ``strategy`` (module docstring for the torch code)."""
-    g = fsdp2_groups(shape, strategy.method, lora_rank, lora_targets)
-    w = fsdp2_widths(strategy)
-    n = strategy.gpus
+    def binding_total(self, activations: ActivationEstimate, grads_persist: bool) -> int:
+        return self.binding(activations, grads_persist).total
+
+
+def fsdp2_step(shape: ModelShape, setup: StaticSetup, lora_rank: int, lora_targets: tuple[str, ...]) -> Fsdp2Step:
+    """The buffers of :class:`Fsdp2Step` for ``setup`` (module docstring for the torch code)."""
+    g = fsdp2_groups(shape, setup.method, lora_rank, lora_targets)
+    w = fsdp2_widths(setup.precision, setup.master_weights)
+    n = setup.gpus
     c, r = w.gathered, w.reduce
-    sharded = 0 if strategy.offload_parameters != Offload.NONE else r  # under offload it goes to the host
+    sharded = 0 if setup.offload_parameters != Offload.NONE else r  # under offload it goes to the host
     return Fsdp2Step(
         root=c * g.root,
         layer=c * (g.layer - g.layer_quantized) + packed_bytes(g.layer_quantized),
         layers=g.layers,
-        reshard_after_forward=strategy.zero_stage == 3,
+        reshard_after_forward=setup.zero_stage == 3,
         head_gradient=c * g.head,
         layer_gradient=c * g.layer_trained,
         layer_reduce_input=r * g.layer_trained,
@@ -296,36 +282,36 @@ def fsdp2_step(shape: ModelShape, strategy: Strategy, lora_rank: int, lora_targe
         root_reduce_input=r * g.root_trained,
         logit_tokens_per_between=shape.vocab_size / (shape.hidden_size * c),
         forward_loss_bytes_per_logit=c + FP32 + (FP32 if c != FP32 else 0),
-        chunked_loss=strategy.chunked_loss,
-        optimizer_in_backward=strategy.optimizer_in_backward,
-        head_step_temporary=w.sharded_trained * g.head // n if strategy.optimizer_in_backward and sharded else 0,
+        chunked_loss=setup.chunked_loss,
+        optimizer_in_backward=setup.optimizer_in_backward,
+        head_step_temporary=w.sharded_trained * g.head // n if setup.optimizer_in_backward and sharded else 0,
     )
 
 
 def fsdp2_model_states(
-    shape: ModelShape, strategy: Strategy, lora_rank: int, lora_targets: tuple[str, ...]
+    shape: ModelShape, setup: StaticSetup, lora_rank: int, lora_targets: tuple[str, ...]
 ) -> ModelStates:
     """One rank's sharded parameters, gradients (all of them, as in the optimizer step; with the step in
     backward one group's) and optimizer states; with ``CPUOffloadPolicy`` all three on the host. The gathered
-    working set is in :func:`fsdp2_moments`."""
-    split = trainable_split(shape, strategy.method, lora_rank, lora_targets)
-    w = fsdp2_widths(strategy)
-    n = strategy.gpus
+    working set is in :meth:`Fsdp2Step.moments`."""
+    split = trainable_split(shape, setup.method, lora_rank, lora_targets)
+    w = fsdp2_widths(setup.precision, setup.master_weights)
+    n = setup.gpus
     frozen = split.frozen_unquantized * w.sharded_frozen + packed_bytes(split.frozen_quantized)
     weights = (frozen + split.trainable * w.sharded_trained) / n
-    quant_states = replicated_quant_states(shape, strategy.method)
+    quant_states = replicated_quant_states(shape, setup.method)
     grads = split.trainable * w.reduce / n
-    if strategy.optimizer_in_backward:  # what stays: one group's sharded gradient while its parameters step
-        g = fsdp2_groups(shape, strategy.method, lora_rank, lora_targets)
+    if setup.optimizer_in_backward:  # what stays: one group's sharded gradient while its parameters step
+        g = fsdp2_groups(shape, setup.method, lora_rank, lora_targets)
         grads = max(g.root_trained, g.layer_trained) * w.reduce / n
-    if strategy.optimizer in ELEMENTWISE_STATES:  # zeros_like(sharded param): the shard's dtype
-        optimizer = split.trainable * ELEMENTWISE_STATES[strategy.optimizer] * w.sharded_trained / n
+    if setup.optimizer in ELEMENTWISE_STATES:  # zeros_like(sharded param): the shard's dtype
+        optimizer = split.trainable * ELEMENTWISE_STATES[setup.optimizer] * w.sharded_trained / n
     else:  # per tensor on its local shard (Adafactor); bitsandbytes is refused on fsdp2
         states = optimizer_state_bytes(
-            shape, strategy.method, lora_rank, lora_targets, strategy.optimizer, w.sharded_trained, None
+            shape, setup.method, lora_rank, lora_targets, setup.optimizer, w.sharded_trained, None
         )
         optimizer = (states.device + states.paged) / n
-    if strategy.offload_parameters != Offload.NONE:
+    if setup.offload_parameters != Offload.NONE:
         return ModelStates(quant_states, 0, 0, 0, cpu_per_rank=int(weights + grads + optimizer), nvme_per_rank=0)
     return ModelStates(
         parameters=int(weights) + quant_states,
@@ -335,3 +321,40 @@ def fsdp2_model_states(
         cpu_per_rank=0,
         nvme_per_rank=0,
     )
+
+
+class Fsdp2Memory:
+    """:class:`memfit.memory.engine.EngineMemory` of PyTorch FSDP2."""
+
+    def model_states(
+        self, shape: ModelShape, setup: StaticSetup, lora_rank: int, lora_targets: tuple[str, ...]
+    ) -> ModelStates:
+        return fsdp2_model_states(shape, setup, lora_rank, lora_targets)
+
+    def communication_buffers(self, shape: ModelShape, setup: StaticSetup, trainable: int) -> int:
+        """No buckets: the all-gather and reduce-scatter buffers are counted where they are alive
+        (:class:`Fsdp2Step`)."""
+        return 0
+
+    def loaded_on_host(self, shape: ModelShape, setup: StaticSetup) -> int:
+        """Every rank loads the 16-bit model into host memory first; QLoRA's rank builds its 4-bit model there
+        (packed weights, quant states, the rest in bf16) and ``fully_shard`` moves it to the GPU layer by
+        layer."""
+        if setup.method == Method.QLORA:
+            quantized = shape.quantizable_parameters
+            return int(quantized * NF4_BYTES_PER_PARAMETER) + BF16 * (shape.parameter_count - quantized)
+        return BF16 * shape.parameter_count
+
+    def gradients_persist(self, setup: StaticSetup) -> bool:
+        """FSDP2 sets its sharded gradients to None after each step."""
+        return False
+
+    def forward_backward(
+        self,
+        shape: ModelShape,
+        setup: StaticSetup,
+        lora_rank: int,
+        lora_targets: tuple[str, ...],
+        states: ModelStates,
+    ) -> Fsdp2Step:
+        return fsdp2_step(shape, setup, lora_rank, lora_targets)

@@ -1,0 +1,297 @@
+"""DeepSpeed ZeRO's memory: model states per GPU, communication buckets, host loading and the backward's gradients.
+
+The accounting is the ZeRO paper's (Rajbhandari et al. 2020, §3: 2Ψ for 16-bit weights, 2Ψ for 16-bit
+gradients, KΨ for the optimizer with K = 12 for mixed-precision Adam: fp32 master weights, momentum and
+variance; each ZeRO stage partitions one more of them over the N data-parallel ranks) plus the one
+buffer DeepSpeed adds that the paper leaves out: the fp32 copy of a rank's gradient partition that the
+optimizer step works on (DeepSpeed's own estimators count it: ``2Ψ + 18Ψ/N`` for ZeRO-2).
+
+What the optimizer steps on decides the size of its states, so it is followed tensor by tensor:
+
+* ZeRO 1-3 hand the optimizer one flat 1-d partition per rank (``single_partition_of_fp32_groups`` in
+  ``stage_1_and_2.py``, ``fp32_partitioned_groups_flat`` in ``stage3.py``), in the master dtype;
+* ZeRO-0 hands it the model's own tensors: DeepSpeed's mixed precision wraps a client optimizer in
+  ``FP16_UnfusedOptimizer``, which keeps one fp32 master per parameter (its fused ``FP16_Optimizer``, for
+  DeepSpeed's own Adam, flattens them, which changes nothing for Adam's element-wise states), and without
+  mixed precision (fp32, or bf16 masters) the optimizer gets the parameters themselves.
+
+Adafactor's and bitsandbytes' states, per tensor or per partition, are counted in :mod:`memfit.memory.states`.
+
+bf16 master weights (``Strategy.master_weights``, pure bf16 training) change three terms:
+
+========================  ===================  ==========================  ================
+per trainable parameter   ZeRO-0               ZeRO-1/2/3                  fp32 masters
+========================  ===================  ==========================  ================
+master copy               0 (the weights)      2/N (a bf16 clone)          4 (/N under ZeRO)
+Adam moments              2 x 2                2 x 2/N                     2 x 4 (/N)
+Lion momentum             2                    2/N                         4 (/N)
+step gradient             0 (reads .grad)      2/N (the flattened bf16     4 (/N)
+                                               partition)
+========================  ===================  ==========================  ================
+
+Weights and gradients stay 16-bit as with mixed precision; 8-bit and Adafactor states have their own
+dtypes whatever the masters' (bitsandbytes quantizes, Adafactor upcasts to fp32). With bf16 masters the
+step's transients are counted whole (:func:`bf16_step_transient`): the gradient norm's fp64 copy of one
+gradient piece can outgrow the bf16 partition, and ZeRO-0's clipping copies one gradient to fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memfit.api.vocabulary import MasterWeights, Method, Offload, Optimizer, Precision
+from memfit.memory.activations import ActivationEstimate
+from memfit.memory.engine import Moment
+from memfit.memory.setup import StaticSetup
+from memfit.memory.sizes import BF16, FP32, FP64, NF4_BYTES_PER_PARAMETER, compute_bytes
+from memfit.memory.states import (
+    ELEMENTWISE_STATES,
+    ModelStates,
+    largest_trainable_tensor,
+    optimizer_state_bytes,
+    trainable_split,
+)
+from memfit.model_shape import ModelShape
+from memfit.render.deepspeed import bucket_elements
+
+
+def zero3_working_set(shape: ModelShape) -> int:
+    """Parameters a ZeRO-3 rank holds gathered at once: the module being computed (the embedding or
+    LM head can be the largest) plus the next layer prefetched, plus the small persistent ones."""
+    return shape.largest_layer_parameters + shape.layer_parameters + shape.norm_parameters
+
+
+def master_bytes(setup: StaticSetup) -> int:
+    """Bytes of one master weight (0: the optimizer updates the weights themselves)."""
+    if setup.precision == Precision.FP32:
+        return 0
+    if setup.master_weights == MasterWeights.BF16 and setup.precision == Precision.BF16:
+        return BF16 if setup.zero_stage > 0 else 0
+    return FP32
+
+
+def bf16_step_transient(shape: ModelShape, setup: StaticSetup, lora_rank: int, lora_targets: tuple[str, ...]) -> float:
+    """What exists only during the optimizer step with bf16 masters, beyond gradients, masters and states.
+
+    ZeRO 1-3 flatten the rank's gradient partition for the optimizer (bf16: ``.to(master dtype)`` then copies
+    nothing), after computing the gradient norm piece by piece, each piece cast to fp64 first
+    (``get_norm_dtype``): the larger of the partition and the largest piece's fp64 copy. A piece is the part of
+    a gradient inside the partition under ZeRO-1/2 and a parameter's partition under ZeRO-3. With bf16 masters
+    the norm's copy is often the larger one (Llama 3.1 8B on 8 GPUs: the 525M-element embedding, 4.2 GB
+    in fp64, against a 2 GB partition).
+
+    ZeRO-0 has no partition (the optimizer reads the gradients) but DeepSpeed clips them itself
+    (``clip_fp32_gradients``: the norm of ``grad.float()``, one gradient at a time): the largest gradient's
+    fp32 copy.
+
+    Adafactor computes in fp32: over bf16 it adds ``grad.float()`` and ``p.float()`` of the tensor it steps
+    (the flat partition under ZeRO, one tensor at a time at ZeRO-0), 8 bytes per element. (Its update's own
+    two fp32 temporaries, 8 bytes per element, exist with fp32 masters too, and like every optimizer's
+    temporaries are not counted here.)"""
+    trainable = trainable_split(shape, setup.method, lora_rank, lora_targets).trainable
+    largest = largest_trainable_tensor(shape, setup.method, lora_rank, lora_targets)
+    upcasts = 2 * FP32 if setup.optimizer == Optimizer.ADAFACTOR else 0
+    if setup.zero_stage == 0:
+        return max(FP32, upcasts) * largest
+    partition = trainable / setup.gpus
+    piece = largest / setup.gpus if setup.zero_stage == 3 else min(largest, partition)
+    return max((BF16 + upcasts) * partition, FP64 * piece)
+
+
+def zero_model_states(
+    shape: ModelShape, setup: StaticSetup, lora_rank: int, lora_targets: tuple[str, ...]
+) -> ModelStates:
+    """Weights, gradients and optimizer states of one rank under ZeRO."""
+    split = trainable_split(shape, setup.method, lora_rank, lora_targets)
+    n = setup.gpus
+    stage = setup.zero_stage
+    w = compute_bytes(setup.precision)
+    bf16_masters = setup.master_weights == MasterWeights.BF16 and setup.precision == Precision.BF16
+
+    # QLoRA: only the decoder linears are 4-bit; the trainer keeps everything else (embeddings, LM head,
+    # norms, adapters) in the compute dtype (memfit_trainer.model.prepare_kbit_model).
+    trainable_bytes = w
+    frozen_bytes = split.frozen_quantized * NF4_BYTES_PER_PARAMETER + split.frozen_unquantized * w
+    weights = frozen_bytes + split.trainable * trainable_bytes
+
+    # What the optimizer updates: fp32 masters (mixed precision), bf16 ones, or the weights themselves.
+    masters = master_bytes(setup)
+    element_bytes = BF16 if bf16_masters else FP32
+    shards = n if stage >= 1 else 1
+    optimizer: float
+    paged: float = 0
+    if setup.optimizer in ELEMENTWISE_STATES:  # the same bytes per element in any tensor
+        optimizer = split.trainable * (masters + ELEMENTWISE_STATES[setup.optimizer] * element_bytes) / shards
+    else:
+        states = optimizer_state_bytes(
+            shape, setup.method, lora_rank, lora_targets, setup.optimizer, element_bytes,
+            split.trainable / n if stage >= 1 else None,
+        )  # fmt: skip
+        optimizer = split.trainable * masters / shards + states.device
+        paged = states.paged
+    grads: float = split.trainable * trainable_bytes
+    step_grads: float = split.trainable * masters / shards
+    if bf16_masters:
+        step_grads = bf16_step_transient(shape, setup, lora_rank, lora_targets)
+    if stage >= 2:
+        grads /= n
+    # Under ZeRO-3 the module being reduced holds its full gradient before the reduce-scatter.
+    gathered_grads = shape.largest_layer_parameters * w if stage == 3 and setup.method == Method.FULL else 0
+    if stage == 3:
+        working_set = zero3_working_set(shape) * w
+        weights = weights / n + working_set
+        grads += gathered_grads
+        if setup.offload_parameters != Offload.NONE:
+            weights = working_set
+
+    cpu = nvme = 0.0
+    if setup.offload_optimizer != Offload.NONE:
+        # Master weights and states move to the host, and reduced gradient partitions are copied
+        # straight into the fp32 buffers the CPU optimizer reads: the GPU keeps only the buckets
+        # (and, under ZeRO-3, the full gradient of the module being reduced).
+        cpu += step_grads
+        grads = gathered_grads
+        if setup.offload_optimizer == Offload.CPU:
+            cpu += optimizer + paged
+        else:
+            nvme += optimizer + paged
+        optimizer = step_grads = paged = 0
+    cpu += paged
+    if stage == 3 and setup.offload_parameters != Offload.NONE:
+        shard = (frozen_bytes + split.trainable * trainable_bytes) / n
+        if setup.offload_parameters == Offload.CPU:
+            cpu += shard
+        else:
+            nvme += shard
+    return ModelStates(
+        parameters=int(weights),
+        gradients=int(grads),
+        step_gradients=int(step_grads),
+        optimizer_states=int(optimizer),
+        cpu_per_rank=int(cpu),
+        nvme_per_rank=int(nvme),
+    )
+
+
+OVERLAP_BUCKETS = 4.5
+"""DeepSpeed's documentation: with overlap_comm, ZeRO-1/2 keep about 4.5x each bucket size alive."""
+
+DDP_ALLREDUCE_ELEMENTS = 500_000_000
+"""ZeRO-0: DeepSpeed all-reduces gradients in flattened buckets of up to 5e8 elements."""
+
+
+def communication_buffer_bytes(shape: ModelShape, setup: StaticSetup, trainable: int) -> int:
+    """Gradient and parameter buckets DeepSpeed allocates for collective communication."""
+    if setup.gpus == 1:
+        return 0
+    w = compute_bytes(setup.precision)
+    buckets = bucket_elements(shape, setup.zero_stage)
+    if setup.zero_stage == 0:
+        return w * min(trainable, DDP_ALLREDUCE_ELEMENTS)
+    if setup.zero_stage in (1, 2):
+        return int(OVERLAP_BUCKETS * w * (buckets["reduce"] + buckets["allgather"]))
+    return 2 * w * buckets["reduce"]  # double-buffered reduce-scatter; prefetched weights are in the working set
+
+
+@dataclass(frozen=True, slots=True)
+class GradientTimeline:
+    """When gradients appear in the backward pass (full fine-tuning; adapters' are negligible)."""
+
+    head: int
+    """The LM head's weight gradient, made first."""
+    missing_at_first_layer: int
+    """Not yet made while the first layer back-propagates: its own and the (untied) embedding's."""
+    tied_extra: int
+    """Tied embeddings: at the very end the head's and the embedding's gradients and their sum are
+    alive together."""
+
+
+def gradient_timeline(shape: ModelShape, method: Method, precision: Precision) -> GradientTimeline:
+    if method != Method.FULL:
+        return GradientTimeline(0, 0, 0)
+    w = compute_bytes(precision)
+    head = shape.vocab_size * shape.hidden_size * w
+    embedding = 0 if shape.tie_word_embeddings else head
+    return GradientTimeline(
+        head=head,
+        missing_at_first_layer=shape.layer_parameters * w + embedding,
+        tied_extra=2 * head if shape.tie_word_embeddings else 0,
+    )
+
+
+def _moment_gradients(gradients: int, grads_persist: bool, timeline: GradientTimeline) -> tuple[int, int, int, int]:
+    """Gradient bytes alive at each candidate moment of the backward pass (see forward_backward_moments)."""
+    resident = gradients if grads_persist else 0
+    at_first_layer = gradients if grads_persist else max(0, gradients - timeline.missing_at_first_layer)
+    return resident, resident + timeline.head, at_first_layer, gradients + timeline.tied_extra
+
+
+def forward_backward_moments(
+    activations: ActivationEstimate, gradients: int, grads_persist: bool, timeline: GradientTimeline
+) -> tuple[int, int]:
+    """(gradient bytes, activation bytes) at the worst moment of the forward and backward passes.
+
+    Gradients grow as the backward pass frees activations, so the candidates are: its start (loss
+    buffers), the last layer's backward (the head's gradient exists), the first layer's backward
+    (nearly every gradient exists), and its end (tied embeddings' extra gradient copies)."""
+    at_loss, at_last_layer, at_first_layer, at_end = _moment_gradients(gradients, grads_persist, timeline)
+    moments = [
+        (at_loss, activations.loss_moment),
+        (at_last_layer, activations.layer_moment),
+        (at_first_layer, activations.first_layer_moment),
+        (at_end, activations.backward_end),
+    ]
+    return max(moments, key=sum)
+
+
+@dataclass(frozen=True, slots=True)
+class ZeroForwardBackward:
+    """DeepSpeed's forward and backward passes: the model states' gradients, growing along the backward
+    (:func:`forward_backward_moments`); ZeRO-3's gathered working set is part of the resident weights."""
+
+    gradients: int
+    timeline: GradientTimeline
+
+    def binding(self, activations: ActivationEstimate, grads_persist: bool) -> Moment:
+        gradients, acts = forward_backward_moments(activations, self.gradients, grads_persist, self.timeline)
+        return Moment(0, gradients, acts)
+
+    def binding_total(self, activations: ActivationEstimate, grads_persist: bool) -> int:
+        a = activations
+        at_loss, at_last_layer, at_first_layer, at_end = _moment_gradients(self.gradients, grads_persist, self.timeline)
+        return max(at_loss + a.loss_moment, at_last_layer + a.layer_moment,
+                   at_first_layer + a.first_layer_moment, at_end + a.backward_end)  # fmt: skip
+
+
+class DeepSpeedMemory:
+    """:class:`memfit.memory.engine.EngineMemory` of DeepSpeed ZeRO."""
+
+    def model_states(
+        self, shape: ModelShape, setup: StaticSetup, lora_rank: int, lora_targets: tuple[str, ...]
+    ) -> ModelStates:
+        return zero_model_states(shape, setup, lora_rank, lora_targets)
+
+    def communication_buffers(self, shape: ModelShape, setup: StaticSetup, trainable: int) -> int:
+        return communication_buffer_bytes(shape, setup, trainable)
+
+    def loaded_on_host(self, shape: ModelShape, setup: StaticSetup) -> int:
+        """ZeRO-3 builds the model already partitioned and QLoRA quantizes shard by shard straight onto the
+        GPU: neither holds the whole model on the host. Otherwise every rank loads the 16-bit model into host
+        memory first."""
+        if setup.zero_stage == 3 or setup.method == Method.QLORA:
+            return 0
+        return BF16 * shape.parameter_count
+
+    def gradients_persist(self, setup: StaticSetup) -> bool:
+        """ZeRO-2/3 keep their gradient partition."""
+        return setup.zero_stage >= 2
+
+    def forward_backward(
+        self,
+        shape: ModelShape,
+        setup: StaticSetup,
+        lora_rank: int,
+        lora_targets: tuple[str, ...],
+        states: ModelStates,
+    ) -> ZeroForwardBackward:
+        return ZeroForwardBackward(states.gradients, gradient_timeline(shape, setup.method, setup.precision))

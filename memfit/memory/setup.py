@@ -1,0 +1,61 @@
+"""The strategy knobs that decide a plan's static memory, as a record of their own.
+
+The planner caches static memory per combination of knobs; keyed by this record, the cache cannot serve a
+strategy the static memory of another that differs in a knob the computation reads, as long as that
+computation reads the record and not the strategy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from memfit.api.plan import Strategy
+from memfit.api.vocabulary import Engine, MasterWeights, Offload, Optimizer, PlannedMethod, PlannedPrecision
+
+
+@dataclass(frozen=True, slots=True)
+class StaticSetup:
+    """Exactly the knobs of a :class:`Strategy` that static memory (model states, communication buffers,
+    host memory, the engine's step buffers) reads: not the micro-batch, accumulation or activation knobs."""
+
+    engine: Engine
+    method: PlannedMethod
+    nodes: int
+    gpus_per_node: int
+    zero_stage: int
+    offload_optimizer: Offload
+    offload_parameters: Offload
+    precision: PlannedPrecision
+    master_weights: MasterWeights
+    optimizer: Optimizer
+    optimizer_in_backward: bool
+    chunked_loss: bool
+    """Read by the fsdp2 engine's forward-loss moment (:class:`memfit.memory.engines.fsdp2.Fsdp2Step`)."""
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @classmethod
+    def of(cls, strategy: Strategy) -> StaticSetup:
+        s = strategy  # positional, in the fields' order: an interned call with keywords costs four times more
+        return _interned(
+            s.engine,
+            s.method,
+            s.nodes,
+            s.gpus_per_node,
+            s.zero_stage,
+            s.offload_optimizer,
+            s.offload_parameters,
+            s.precision,
+            s.master_weights,
+            s.optimizer,
+            s.optimizer_in_backward,
+            s.chunked_loss,
+        )
+
+
+_interned = lru_cache(maxsize=4096)(StaticSetup)
+"""One record per distinct setup: a dictionary keyed by records then finds it by identity, without comparing
+field by field (the planner looks static memory up for every candidate it tries)."""
