@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from memfit.api.finetunejob import Architecture
-from memfit.catalog.models import MODEL_PRESETS
-from memfit.model_shape import ModelFamily
+from memfit.catalog.models import MODEL_PRESETS, model_preset
+from memfit.model_shape import ModelFamily, Role
 
 PUBLISHED = {  # sum(p.numel()) as the model cards and the Hub's safetensors metadata give them
     "llama-2-7b": 6_738_415_616,
@@ -90,3 +90,15 @@ def test_explicit_architecture_equals_the_preset() -> None:
 def test_architecture_errors(document: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         Architecture.model_validate(document)
+
+
+@pytest.mark.parametrize(
+    ("preset", "mlp"),
+    [
+        ("phi-3-mini", ("gate_up_proj", "down_proj")),  # its last three linears include o_proj
+        ("llama-3.1-8b", ("gate_proj", "up_proj", "down_proj")),
+        ("mixtral-8x7b", ("w1", "w3", "w2")),  # the router is not part of the MLP's weights
+    ],
+)
+def test_the_mlp_is_selected_by_role_not_position(preset: str, mlp: tuple[str, ...]) -> None:
+    assert tuple(m.name for m in model_preset(preset).linears_of(Role.MLP)) == mlp

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from memfit.api.vocabulary import Attention, Method, Precision
 from memfit.memory.sizes import FP32
-from memfit.model_shape import ModelFamily, ModelShape
+from memfit.model_shape import ModelFamily, ModelShape, Role
 
 BOOL = 1
 INT64 = 8
@@ -246,7 +246,7 @@ def _eager_attention_backward(shape: ModelShape, setup: ActivationSetup, per_lay
     16-bit, like the scores) are alive, and in full fine-tuning so are the MLP weights' gradients."""
     t, w = setup.tokens, setup.element_bytes
     scores_gradient = setup.micro_batch_size * shape.num_attention_heads * setup.sequence_length**2 * (FP32 + w)
-    mlp_weights = sum(m.weight_parameters for m in shape.layer_linears[-3:]) * w if setup.method == Method.FULL else 0
+    mlp_weights = sum(m.weight_parameters for m in shape.linears_of(Role.MLP)) * w if setup.method == Method.FULL else 0
     return per_layer - _mlp(shape, setup) + scores_gradient + 2 * t * shape.hidden_size * w + mlp_weights
 
 

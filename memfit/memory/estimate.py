@@ -32,8 +32,8 @@ from memfit.memory.setup import StaticSetup
 from memfit.memory.sizes import compute_bytes
 from memfit.memory.states import ModelStates, trainable_split
 from memfit.model_shape import ModelShape
+from memfit.units import GIB
 
-GIB = 1024**3
 HOST_BYTES_PER_RANK = 3 * GIB
 """CPU memory of one trainer process besides offloaded states: Python, torch, CUDA host state, data
 loading workers."""

@@ -31,12 +31,11 @@ def _training_flops_per_token(shape: ModelShape, strategy: Strategy, sequence_le
     """Forward 2N + causal attention; backward 2x forward for full training, 1x when the base is
     frozen (no weight gradients); checkpointing repeats the forward; the chunked loss repeats the LM
     head's matmul in backward (2 x hidden x vocabulary per token)."""
-    forward = 2 * shape.active_parameters_per_token + 2 * shape.num_layers * sequence_length * shape.q_size
-    backward = 2 * forward if strategy.method == Method.FULL else forward
-    recompute = forward if strategy.gradient_checkpointing else 0
+    model = shape.model_flops_per_token(sequence_length, trains_base=strategy.method == Method.FULL)
+    recompute = shape.forward_flops_per_token(sequence_length) if strategy.gradient_checkpointing else 0
     if strategy.chunked_loss:
         recompute += 2 * shape.hidden_size * shape.vocab_size
-    return forward + backward + recompute
+    return model + recompute
 
 
 def peak_flops(pool: PoolCapacity, precision: Precision) -> float:
