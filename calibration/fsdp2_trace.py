@@ -38,7 +38,7 @@ from calibration.memtrace import (
     tracked_training_steps,
 )
 from memfit.api.vocabulary import Attention, MasterWeights, Method, Precision
-from memfit.contract.trainer_config import Fsdp2Config
+from memfit.contract.engines import Fsdp2EngineSection
 from memfit.model_shape import ModelShape
 
 Trainable = Literal[Method.FULL, Method.LORA]
@@ -58,7 +58,7 @@ def wrap_fsdp2(
     stays bf16) and gather bf16 copies, reducing in fp32; bf16 masters cast nothing and reduce in bf16."""
     from memfit_trainer.fsdp2_engine import shard_model
 
-    fsdp2 = Fsdp2Config(
+    fsdp2 = Fsdp2EngineSection(
         reshard_after_forward=reshard_after_forward,
         reduce_dtype=Precision.FP32 if masters == MasterWeights.FP32 else Precision.BF16,
     )

@@ -11,7 +11,7 @@ from typing import Any
 from memfit.api.finetunejob import FineTuneJobSpec
 from memfit.api.plan import Strategy, strategy_conflicts
 from memfit.api.vocabulary import Method, Offload, Optimizer
-from memfit.contract.trainer_config import precision_section
+from memfit.contract.engines import precision_section
 from memfit.model_shape import ModelShape
 
 NVME_PATH = "/local_nvme"

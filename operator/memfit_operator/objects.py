@@ -27,8 +27,10 @@ from memfit.api.base import API_VERSION, GROUP
 from memfit.api.finetunejob import FineTuneJob
 from memfit.api.gpupool import GPU_PRODUCT_LABEL, GPUPool, pool_capacity
 from memfit.api.plan import PlanCandidate
-from memfit.api.vocabulary import Engine, Offload
-from memfit.contract.trainer_config import MetricsConfig, TrainerConfig
+from memfit.api.vocabulary import Offload
+from memfit.contract.engines import DeepSpeedEngineSection
+from memfit.contract.sections import MetricsConfig
+from memfit.contract.trainer_config import TrainerConfig
 from memfit.render.deepspeed import NVME_PATH
 from memfit.render.trainer_config import POD_MOUNTS
 
@@ -229,8 +231,8 @@ def config_map(job: FineTuneJob, trainer_config: TrainerConfig, attempt: int) ->
     engine has none."""
     config = pod_trainer_config(trainer_config)
     data = {CONFIG_FILE: config.to_json()}
-    if config.engine == Engine.DEEPSPEED:
-        data[DEEPSPEED_FILE] = json.dumps(config.deepspeed, indent=2) + "\n"
+    if isinstance(config.engine, DeepSpeedEngineSection):
+        data[DEEPSPEED_FILE] = json.dumps(config.engine.config, indent=2) + "\n"
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
