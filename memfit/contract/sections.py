@@ -224,7 +224,8 @@ class MetricsConfig(ApiModel):
     port: Annotated[int, Strict(), Field(ge=0, le=65535)] = 9400
     """Rank r serves /metrics on port + local rank (0: pick a free port, for tests)."""
     progress_file: AbsolutePath | None = None
-    """Rank 0 writes its progress here as JSON after every step (the operator reads it)."""
+    """Rank 0 writes its progress here as JSON after every step (for ``memfit run --local``; the operator
+    scrapes /metrics instead)."""
 
 
 class VolumesConfig(ApiModel):
