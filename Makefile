@@ -49,7 +49,7 @@ crds: setup
 dashboards: setup
 	$(PY) charts/tools/dashboards.py
 
-# Style (ruff), types (mypy: strict on the core, default elsewhere) and the layers (import-linter: the core
+# Style (ruff), types (mypy: strict everywhere) and the layers (import-linter: the core
 # imports neither cluster nor torch code, the operator and the trainer never import each other).
 LINTED := memfit operator trainer calibration tests bench charts
 lint: setup

@@ -90,8 +90,8 @@ from memfit.api.vocabulary import Attention, MasterWeights, Method, Offload, Opt
 from memfit.cli.local_machine import LocalMachine, inspect_machine, local_pool
 from memfit.contract.progress import Progress, read_progress
 from memfit.contract.reader import ConfigError, load_config
+from memfit.units import GIB
 
-GIB = 1024**3
 NO_GPU_LINE = "gpu_truth: no CUDA GPU on this machine; nothing measured"
 HOLD_ENV = "MEMFIT_TEST_HOLD_AFTER_STEP"
 """memfit_trainer.loop.HOLD_ENV. The trainer's constants are repeated, not imported: its modules import torch,

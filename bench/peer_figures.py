@@ -15,11 +15,11 @@ from pathlib import Path
 from memfit.api.loading import load_documents
 from memfit.api.plan import PlanCandidate
 from memfit.planner.search import plan_job
+from memfit.units import GIB
 
 ROOT = Path(__file__).resolve().parent.parent
 JOBS = ROOT / "examples" / "peers" / "torchtune.yaml"
 INVENTORY = ROOT / "examples" / "peers" / "inventory.yaml"
-GIB = 1024**3
 MARGIN = 1.1
 """The issue's bar: a GPU with 1.1x the peer's memory, and no headroom, gets a plan."""
 

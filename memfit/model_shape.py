@@ -24,6 +24,14 @@ class ModelFamily(StrEnum):
     MIXTRAL = "mixtral"
 
 
+class Role(StrEnum):
+    """What a linear module of a decoder layer belongs to."""
+
+    ATTENTION = "attention"
+    MLP = "mlp"
+    ROUTER = "router"
+
+
 @dataclass(frozen=True)
 class LinearModule:
     """One kind of ``nn.Linear`` inside a decoder layer (``count`` copies of it per layer)."""
@@ -33,6 +41,7 @@ class LinearModule:
     out_features: int
     bias: bool = False
     count: int = 1
+    role: Role = Role.MLP
 
     @property
     def weight_parameters(self) -> int:
@@ -97,8 +106,8 @@ class ModelShape:
         attention: tuple[LinearModule, ...]
         if self.family is ModelFamily.PHI3:
             attention = (
-                LinearModule("qkv_proj", h, self.q_size + 2 * self.kv_size),
-                LinearModule("o_proj", self.q_size, h),
+                LinearModule("qkv_proj", h, self.q_size + 2 * self.kv_size, role=Role.ATTENTION),
+                LinearModule("o_proj", self.q_size, h, role=Role.ATTENTION),
             )
             return attention + (
                 LinearModule("gate_up_proj", h, 2 * i),
@@ -106,15 +115,15 @@ class ModelShape:
             )
         bias = self.attention_bias or self.family is ModelFamily.QWEN2
         attention = (
-            LinearModule("q_proj", h, self.q_size, bias),
-            LinearModule("k_proj", h, self.kv_size, bias),
-            LinearModule("v_proj", h, self.kv_size, bias),
-            LinearModule("o_proj", self.q_size, h, self.attention_bias),
+            LinearModule("q_proj", h, self.q_size, bias, role=Role.ATTENTION),
+            LinearModule("k_proj", h, self.kv_size, bias, role=Role.ATTENTION),
+            LinearModule("v_proj", h, self.kv_size, bias, role=Role.ATTENTION),
+            LinearModule("o_proj", self.q_size, h, self.attention_bias, role=Role.ATTENTION),
         )
         if self.is_moe:
             e = self.num_experts
             return attention + (
-                LinearModule("gate", h, e),  # the router: never quantized, rarely a LoRA target
+                LinearModule("gate", h, e, role=Role.ROUTER),  # never quantized, rarely a LoRA target
                 LinearModule("w1", h, i, count=e),
                 LinearModule("w3", h, i, count=e),
                 LinearModule("w2", i, h, count=e),
@@ -124,6 +133,9 @@ class ModelShape:
             LinearModule("up_proj", h, i),
             LinearModule("down_proj", i, h),
         )
+
+    def linears_of(self, role: Role) -> tuple[LinearModule, ...]:
+        return tuple(m for m in self.layer_linears if m.role is role)
 
     # --- parameter counts ---------------------------------------------------------------------
     @property
@@ -170,7 +182,7 @@ class ModelShape:
     @cached_property
     def quantizable_linears(self) -> tuple[LinearModule, ...]:
         """The layer's linears bitsandbytes replaces with 4-bit ones (``count`` of each per layer)."""
-        return tuple(m for m in self.layer_linears if m.name != "gate")
+        return tuple(m for m in self.layer_linears if m.role is not Role.ROUTER)
 
     @cached_property
     def largest_layer_parameters(self) -> int:

@@ -47,4 +47,3 @@ ONE_A100 = pool("a100", "NVIDIA-A100-SXM4-80GB", 1, 1, 128)
 RTX_4090 = pool("rtx", "NVIDIA-GeForce-RTX-4090", 1, 1, 64)
 RTX_4090_BIG_HOST = pool("rtx", "NVIDIA-GeForce-RTX-4090", 1, 1, 256)
 V100_NODE = pool("v100", "Tesla-V100-SXM2-32GB", 8, 1, 700)
-GIB = 1024**3

@@ -20,7 +20,8 @@ from memfit.api.gpupool import GPUPool, PoolCapacity, pool_capacity
 from memfit.api.plan import PlanCandidate, PlanResult, RejectedCandidate
 from memfit.api.vocabulary import EIGHT_BIT_OPTIMIZERS, Method, StepPhase
 from memfit.planner.search import plan_job
-from tests.planning_fixtures import A100_NODE, GIB, RTX_4090, RTX_4090_BIG_HOST, V100_NODE, job, pool, unvalidated_job
+from memfit.units import GIB
+from tests.planning_fixtures import A100_NODE, RTX_4090, RTX_4090_BIG_HOST, V100_NODE, job, pool, unvalidated_job
 
 T4_ONE = pool("t4", "Tesla-T4", 1, 1, 64)
 T4 = pool("t4", "Tesla-T4", 4, 2, 180)
@@ -52,7 +53,7 @@ def single_plan_case() -> Case:
     )
     only = plan_job(spec, [T4_ONE]).chosen
     assert only is not None
-    return Case(spec, [T4_ONE], exclude=(only.strategy.summary(),))
+    return Case(spec, [T4_ONE], exclude=(only.strategy.identity(),))
 
 
 SCENARIOS: dict[str, Callable[[], Case]] = {
@@ -178,7 +179,7 @@ def _all_excluded(m: re.Match[str], case: Case, result: PlanResult) -> bool:
     return (
         result.chosen is None
         and all(r.reason.startswith("excluded") for r in result.rejected)
-        and all(c.strategy.summary() in excluded for c in unexcluded.candidates)
+        and all(c.strategy.identity() in excluded for c in unexcluded.candidates)
     )
 
 

@@ -16,7 +16,8 @@ from memfit.api.loading import load_documents
 from memfit.api.plan import PlanResult
 from memfit.api.vocabulary import Method
 from memfit.cli.plan_table import print_plan_table, runners_up
-from memfit.planner.search import MAX_CANDIDATES, plan_job
+from memfit.planner.report import MAX_CANDIDATES
+from memfit.planner.search import plan_job
 from tests.planning_fixtures import A100_NODE, job, pool
 
 ROOT = Path(__file__).parent.parent

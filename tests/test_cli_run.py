@@ -18,6 +18,7 @@ from memfit.cli.local_machine import CPU_PRODUCT, LocalMachine, local_pool
 from memfit.cli.main import main
 from memfit.contract.engines import DeepSpeedEngineSection
 from memfit.contract.reader import load_config
+from memfit.units import GIB
 
 ROOT = Path(__file__).parent.parent
 TINY = ROOT / "examples" / "tiny"
@@ -62,14 +63,14 @@ def test_bad_mount_is_one_clear_line(tiny_job: Path, capsys) -> None:  # type: i
 
 
 def test_cpu_machine_becomes_a_pool_of_cpu_processes() -> None:
-    machine = LocalMachine((), (), memory_bytes=20 * 1024**3, cpus=4)
+    machine = LocalMachine((), (), memory_bytes=20 * GIB, cpus=4)
     capacity = pool_capacity(local_pool(machine, ranks=2))
     assert capacity.product == CPU_PRODUCT and capacity.gpus_per_node == 2
-    assert capacity.gpu_memory_bytes == pytest.approx(0.8 * 20 * 1024**3 / 2, rel=1e-6)
+    assert capacity.gpu_memory_bytes == pytest.approx(0.8 * 20 * GIB / 2, rel=1e-6)
 
 
 def test_gpu_machine_uses_the_product_table() -> None:
-    machine = LocalMachine(("NVIDIA A100-SXM4-80GB",) * 2, (81920,) * 2, memory_bytes=200 * 1024**3, cpus=32)
+    machine = LocalMachine(("NVIDIA A100-SXM4-80GB",) * 2, (81920,) * 2, memory_bytes=200 * GIB, cpus=32)
     capacity = pool_capacity(local_pool(machine, ranks=2))
     assert capacity.product == "NVIDIA-A100-SXM4-80GB" and capacity.bf16
     assert capacity.peak_flops_bf16 == pytest.approx(312e12)

@@ -150,7 +150,7 @@ def test_bf16_masters_step_transient_is_the_larger_of_partition_and_fp64_norm_pi
 
 
 def test_bf16_masters_need_bf16_precision_to_change_anything() -> None:
-    """A conflicting strategy (refused by strategy_conflicts) is still counted as fp32 masters, never as less."""
+    """A conflicting strategy (refused by the rule table) is still counted as fp32 masters, never as less."""
     fp16 = model_states(SHAPE, strategy(2, 8, precision="fp16", master_weights="bf16"), 0, ())
     assert fp16 == model_states(SHAPE, strategy(2, 8, precision="fp16"), 0, ())
 

@@ -1,7 +1,7 @@
 """The optimizer step in backward (``strategy.optimizerInBackward``): the API's rules and their messages, the
-null ``maxGradNorm`` it needs kept through serialisation, what is rendered for the trainer, its memory terms
-(no sharded gradient outlives its group) and the planner's use of it (only where the job allows it, and only
-where it buys a fit or a larger micro-batch)."""
+``maxGradNorm: 0`` (no clipping) it needs kept through serialisation, what is rendered for the trainer, its
+memory terms (no sharded gradient outlives its group) and the planner's use of it (only where the job allows
+it, and only where it buys a fit or a larger micro-batch)."""
 
 from __future__ import annotations
 

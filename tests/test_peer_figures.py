@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench.peer_figures import FIGURES, GIB, MARGIN, PeerFigure, plan_figure
+from bench.peer_figures import FIGURES, MARGIN, PeerFigure, plan_figure
 from memfit.api.vocabulary import Offload
+from memfit.units import GIB
 
 
 @pytest.mark.parametrize("figure", FIGURES, ids=[figure.job for figure in FIGURES])

@@ -16,7 +16,8 @@ from memfit.cli.plan_table import print_plan_table
 from memfit.memory.activations import estimate_activations
 from memfit.memory.estimate import LoraSettings, activation_setup, peak_memory, static_memory, step_total
 from memfit.planner.search import plan_job
-from tests.planning_fixtures import A100_NODE, GIB, job
+from memfit.units import GIB
+from tests.planning_fixtures import A100_NODE, job
 
 PHASE_KEYS = {"parameters", "gradients", "optimizerStates", "activations", "overhead", "total"}
 

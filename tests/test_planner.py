@@ -145,7 +145,7 @@ def test_excluding_a_strategy_that_ran_out_of_memory_picks_another() -> None:
     spec = job("llama-2-7b", "full")
     first = plan_job(spec, [A100_NODE]).chosen
     assert first is not None
-    second = plan_job(spec, [A100_NODE], exclude={first.strategy.summary()}).chosen
+    second = plan_job(spec, [A100_NODE], exclude={first.strategy.identity()}).chosen
     assert second is not None and second.strategy != first.strategy
 
 

@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 from pydantic import ValidationError
 
-from memfit.api.plan import Strategy, strategy_conflicts
+from memfit.api.knobs import Knobs, conflicts
+from memfit.api.plan import Strategy
 from memfit.catalog.models import model_preset as preset_shape
 from memfit.memory.activations import ActivationSetup, estimate_activations, head_and_loss
 from memfit.planner.search import plan_job
@@ -26,8 +27,8 @@ def test_the_summary_names_it_and_the_default_is_off() -> None:
 
 
 def test_zero3_conflicts_with_it_in_the_api_and_the_planner() -> None:
-    assert strategy_conflicts(zero_stage=3, chunked_loss=True)
-    assert not strategy_conflicts(zero_stage=2, chunked_loss=True)
+    assert conflicts(Knobs(zero_stage=3, chunked_loss=True))
+    assert not conflicts(Knobs(zero_stage=2, chunked_loss=True))
     with pytest.raises(ValidationError, match="chunkedLoss needs zeroStage 0-2"):
         job("llama-3-8b", "full", strategy={"zeroStage": 3, "chunkedLoss": True})
     result = plan_job(job("llama-3-8b", "full", strategy={"chunkedLoss": True}), [A100_NODE])

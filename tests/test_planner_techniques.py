@@ -18,7 +18,8 @@ from memfit.api.vocabulary import MasterWeights
 from memfit.cli.plan_table import print_plan_table
 from memfit.memory.activations import estimate_activations
 from memfit.memory.estimate import LoraSettings, activation_setup, peak_memory, static_memory
-from memfit.planner.search import MIN_TECHNIQUE_GAIN, plan_job
+from memfit.planner.report import MIN_TECHNIQUE_GAIN
+from memfit.planner.search import plan_job
 from tests.planning_fixtures import A100_4_NODES, A100_NODE, ONE_A100, RTX_4090, V100_NODE, job, pool
 
 POOLS: dict[str, list[GPUPool]] = {

@@ -13,7 +13,8 @@ from pydantic import ValidationError
 
 from memfit.api.finetunejob import FineTuneJob, FineTuneJobSpec
 from memfit.api.gpupool import GPUPool
-from memfit.api.plan import PlanCandidate, strategy_conflicts
+from memfit.api.knobs import conflicts
+from memfit.api.plan import PlanCandidate
 from memfit.planner.search import plan_job
 from memfit.render import deepspeed as render_deepspeed
 from memfit.render.deepspeed import deepspeed_config
@@ -65,8 +66,7 @@ def test_no_plan_breaks_a_rule_of_deepspeed_or_the_trainer(scenario: str) -> Non
         assert s.offload_parameters == "none" or s.zero_stage == 3, s.summary()
         assert s.offload_optimizer != "nvme" or s.zero_stage == 3, s.summary()
         assert s.offload_optimizer == "none" or s.zero_stage >= 1, s.summary()
-        assert not strategy_conflicts(s.method, s.precision, s.zero_stage, s.offload_optimizer, s.offload_parameters,
-                                      s.optimizer, s.chunked_loss, engine=s.engine), s.summary()  # fmt: skip
+        assert not conflicts(s.knobs()), s.summary()
         if s.engine == "fsdp2":  # no DeepSpeed JSON (e.g. qlora fsdp2-zero3, which DeepSpeed cannot run)
             continue
         zero = deepspeed_config(spec, s)["zero_optimization"]

@@ -159,7 +159,7 @@ def test_leaner_headroom_is_capped_at_the_apis_bound() -> None:
 def test_the_first_replan_of_the_example_keeps_the_layout_and_is_leaner() -> None:
     job = spec()
     failed = first_plan(job)
-    result, kept = replan_after_oom(job, POOLS, failed, [failed.strategy.summary()])
+    result, kept = replan_after_oom(job, POOLS, failed, [failed.strategy.identity()])
     chosen = result.chosen
     assert chosen is not None and kept is True
     assert checkpoint_layout(chosen) == checkpoint_layout(failed)
@@ -172,21 +172,21 @@ def test_the_first_replan_of_the_example_keeps_the_layout_and_is_leaner() -> Non
 def test_a_chain_of_replans_gets_strictly_leaner_and_honours_every_exclusion() -> None:
     job = spec()
     failed = first_plan(job)
-    excluded = [failed.strategy.summary()]
+    excluded = [failed.strategy.identity()]
     seen_change = False
     for _ in range(8):
         result, kept = replan_after_oom(job, POOLS, failed, excluded)
         chosen = result.chosen
         if chosen is None:
             break
-        assert chosen.strategy.summary() not in excluded
+        assert chosen.strategy.identity() not in excluded
         assert chosen.memory.per_gpu.total <= failed.memory.per_gpu.total * (1 - LEANER_BY) + 1
         assert kept == (checkpoint_layout(chosen) == checkpoint_layout(failed))
         assert chosen.strategy.gpus <= 8  # spec.resources.maxGPUs
         assert global_batch(chosen) == job.training.global_batch_size
         seen_change = seen_change or not kept
         failed = chosen
-        excluded.append(chosen.strategy.summary())
+        excluded.append(chosen.strategy.identity())
     assert len(excluded) >= 4 and seen_change
 
 
@@ -194,7 +194,7 @@ def test_layout_is_kept_whenever_some_same_layout_strategy_fits() -> None:
     """When kept is False, no strategy with the failed layout fits under the leaner headroom."""
     job = spec()
     failed = first_plan(job)
-    excluded = [failed.strategy.summary()]
+    excluded = [failed.strategy.identity()]
     for _ in range(8):
         result, kept = replan_after_oom(job, POOLS, failed, excluded)
         if result.chosen is None:
@@ -209,20 +209,20 @@ def test_layout_is_kept_whenever_some_same_layout_strategy_fits() -> None:
             same = [c for c in every.candidates if checkpoint_layout(c) == checkpoint_layout(failed)]
             assert same == [], f"{same[0].strategy.summary()} keeps the layout and fits"
         failed = result.chosen
-        excluded.append(failed.strategy.summary())
+        excluded.append(failed.strategy.identity())
 
 
 def test_a_pinned_method_is_never_lightened() -> None:
     job = spec(method="full")
     failed = first_plan(job)
-    excluded = [failed.strategy.summary()]
+    excluded = [failed.strategy.identity()]
     for _ in range(10):
         result, _ = replan_after_oom(job, POOLS, failed, excluded)
         if result.chosen is None:
             break
         assert result.chosen.strategy.method == "full"
         failed = result.chosen
-        excluded.append(failed.strategy.summary())
+        excluded.append(failed.strategy.identity())
 
 
 def test_auto_may_move_to_a_lighter_method_once_full_is_spent() -> None:
@@ -231,7 +231,7 @@ def test_auto_may_move_to_a_lighter_method_once_full_is_spent() -> None:
     failed = first_plan(job)
     assert failed.strategy.method in ("lora", "qlora")
     methods = {failed.strategy.method}
-    excluded = [failed.strategy.summary()]
+    excluded = [failed.strategy.identity()]
     for _ in range(10):
         result, _ = replan_after_oom(job, POOLS, failed, excluded)
         if result.chosen is None:
@@ -239,28 +239,28 @@ def test_auto_may_move_to_a_lighter_method_once_full_is_spent() -> None:
         assert result.chosen.memory.per_gpu.total < failed.memory.per_gpu.total
         failed = result.chosen
         methods.add(failed.strategy.method)
-        excluded.append(failed.strategy.summary())
+        excluded.append(failed.strategy.identity())
     assert "full" not in methods
 
 
 def test_the_failed_strategy_is_excluded_even_where_it_would_fit_again() -> None:
     job = spec()
     failed = first_plan(job)
-    result, _ = replan_after_oom(job, POOLS, failed, [failed.strategy.summary()])
+    result, _ = replan_after_oom(job, POOLS, failed, [failed.strategy.identity()])
     assert all(c.strategy.summary() != failed.strategy.summary() for c in result.candidates)
 
 
 def test_replan_respects_the_specs_pool_restriction() -> None:
     job = spec(resources={"pool": "a100-80gb", "maxGPUs": 8})
     failed = first_plan(job)
-    excluded = [failed.strategy.summary()]
+    excluded = [failed.strategy.identity()]
     for _ in range(6):
         result, _ = replan_after_oom(job, POOLS, failed, excluded)
         if result.chosen is None:
             break
         assert result.chosen.strategy.pool == "a100-80gb" and result.chosen.strategy.gpus <= 8
         failed = result.chosen
-        excluded.append(failed.strategy.summary())
+        excluded.append(failed.strategy.identity())
 
 
 def test_nothing_leaner_gives_no_plan_advice_and_kept_false() -> None:
@@ -272,7 +272,7 @@ def test_nothing_leaner_gives_no_plan_advice_and_kept_false() -> None:
                   "activationOffloading": True},
     )  # fmt: skip
     failed = first_plan(job)
-    result, kept = replan_after_oom(job, POOLS, failed, [failed.strategy.summary()])
+    result, kept = replan_after_oom(job, POOLS, failed, [failed.strategy.identity()])
     assert result.chosen is None and kept is False and result.advice
 
 
@@ -280,7 +280,7 @@ def test_replan_does_not_change_the_spec_it_is_given() -> None:
     job = spec()
     before = job.to_api()
     failed = first_plan(job)
-    replan_after_oom(job, POOLS, failed, [failed.strategy.summary()])
+    replan_after_oom(job, POOLS, failed, [failed.strategy.identity()])
     assert job.to_api() == before
 
 
@@ -291,7 +291,7 @@ def test_a_user_pinned_micro_batch_still_gives_an_exact_global_batch() -> None:
     failed = first_plan(job)
     assert failed.strategy.micro_batch_size == 2
     assert global_batch(failed) == 64, f"{failed.strategy.summary()} trains {global_batch(failed)} sequences/step"
-    result, _ = replan_after_oom(job, POOLS, failed, [failed.strategy.summary()])
+    result, _ = replan_after_oom(job, POOLS, failed, [failed.strategy.identity()])
     assert result.chosen is not None and global_batch(result.chosen) == 64
 
 

@@ -24,10 +24,13 @@ from memfit.api.base import (
     VolumePath,
     shown,
 )
-from memfit.api.plan import PlanCandidate, strategy_conflicts
+from memfit.api.knobs import Knobs, knobs_of
+from memfit.api.knobs import conflicts as knob_conflicts
+from memfit.api.plan import PlanCandidate
 from memfit.api.vocabulary import (
     Attention,
     DatasetFormat,
+    EndedOutcome,
     Engine,
     MasterWeights,
     Method,
@@ -365,22 +368,7 @@ class FineTuneJobSpec(ApiModel):
     @model_validator(mode="after")
     def _consistent(self) -> FineTuneJobSpec:
         strategy = self.strategy
-        conflicts = strategy_conflicts(
-            self.method,
-            self.training.precision,
-            strategy.zero_stage,
-            strategy.offload_optimizer,
-            strategy.offload_parameters,
-            self.training.optimizer,
-            strategy.chunked_loss,
-            gradient_checkpointing=strategy.gradient_checkpointing,
-            activation_offloading=strategy.activation_offloading,
-            master_weights=strategy.master_weights,
-            engine=strategy.engine,
-            optimizer_in_backward=strategy.optimizer_in_backward,
-            gradient_accumulation_steps=self._fewest_accumulation_steps(),
-            clips_gradients=self.training.max_grad_norm > 0,
-        )
+        conflicts = knob_conflicts(self.knobs())
         if conflicts:
             raise ValueError("; ".join(conflicts))
         batch = self.training.global_batch_size
@@ -391,6 +379,18 @@ class FineTuneJobSpec(ApiModel):
             )
         self.model.architecture.shape().resolve_lora_targets(tuple(self.lora.target_modules))
         return self
+
+    def knobs(self) -> Knobs:
+        """What the spec decides: the strategy section's pins, the method, precision and optimizer (auto decides
+        nothing), the least accumulation a pinned micro-batch allows, and whether gradients are clipped."""
+        return knobs_of(
+            self.strategy,
+            method=None if self.method is Method.AUTO else self.method,
+            precision=None if self.training.precision is Precision.AUTO else self.training.precision,
+            optimizer=self.training.optimizer,
+            gradient_accumulation_steps=self._fewest_accumulation_steps(),
+            clips_gradients=self.training.max_grad_norm > 0,
+        )
 
     def _fewest_accumulation_steps(self) -> int | None:
         """The least accumulation a pinned micro-batch allows on at most resources.maxGpus GPUs (None:
@@ -435,8 +435,8 @@ class Attempt(ApiModel):
     """When the attempt was launched (RFC 3339)."""
     finished: StrictStr | None = None
     """When it ended (RFC 3339)."""
-    outcome: StrictStr | None = None
-    """Succeeded, Failed, OutOfMemory, Suspended, ..."""
+    outcome: EndedOutcome | None = None
+    """Succeeded, Failed, OutOfMemory, ConfigError or Suspended; null while the attempt runs."""
     reason: StrictStr | None = None
     """Why it ended, in a sentence."""
     resumed_from_step: Annotated[int, Strict(), Field(ge=0, le=MAX_COUNTER)] | None = None
@@ -470,7 +470,8 @@ class FineTuneJobStatus(ApiModel):
     replans: StrictInt = Field(default=0, ge=0, le=MAX_COUNTER)
     """Out-of-memory re-plans used (of spec.maxReplans)."""
     excluded_strategies: list[StrictStr] = Field(default_factory=list)
-    """Strategies ruled out after they ran out of memory (the planner skips them)."""
+    """Strategies ruled out after they ran out of memory (the planner skips them): each one's identity, every
+    knob and its placement as `name=value` pairs."""
     launched_spec: FineTuneJobSpec | None = None
     """The spec as it was at the first launch. The spec is immutable from then on except `suspend`:
     restarts and re-plans use this copy, and a changed spec is reported (condition Ready) and ignored."""

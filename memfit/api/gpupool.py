@@ -9,6 +9,7 @@ from pydantic import Field, Strict, model_validator
 
 from memfit.api.base import API_VERSION, ApiModel, ObjectMeta, StrictFloat, StrictInt, StrictStr, Toleration
 from memfit.catalog.gpus import GPUProduct, gpu_product, unknown_product
+from memfit.units import GIB
 
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 
@@ -122,7 +123,6 @@ class PoolCapacity:
     pcie_bytes_per_second: float
 
 
-GIB = 1024**3
 GB = 1e9
 
 

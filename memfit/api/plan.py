@@ -6,22 +6,21 @@ FineTuneJob, so scripts and the cluster see exactly the same fields.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from pydantic import ConfigDict, Field, PositiveInt
 
 from memfit.api.base import ApiModel, to_camel
+from memfit.api.knobs import Knobs, knobs_of
+from memfit.api.techniques import TECHNIQUES
 from memfit.api.vocabulary import (
-    EIGHT_BIT_OPTIMIZERS,
     Attention,
     Engine,
     MasterWeights,
-    Method,
     Offload,
     Optimizer,
     PlannedMethod,
     PlannedPrecision,
-    Precision,
     StepPhase,
     ZeroStage,
 )
@@ -84,6 +83,15 @@ class Strategy:
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
 
+    def knobs(self) -> Knobs:
+        """Its choices (every one decided), for the rule table."""
+        return knobs_of(self)
+
+    def identity(self) -> str:
+        """Every knob and the placement, `name=value` joined by commas: two strategies are the same exactly
+        when their identities are (`status.excludedStrategies` records them; the summary leaves some out)."""
+        return ",".join(f"{field.name}={getattr(self, field.name)}" for field in fields(self))
+
     def summary(self) -> str:
         """One line a person can read, e.g. `full zero2 ckpt mb2x4 bf16 adamw on 2x8 a100`."""
         stage = f"zero{self.zero_stage}"
@@ -94,154 +102,11 @@ class Strategy:
             parts.append(f"params->{self.offload_parameters}")
         if self.gradient_checkpointing:
             parts.append("ckpt")
-        if self.chunked_loss:
-            parts.append("chunked-ce")
-        if self.activation_offloading:
-            parts.append("act->cpu")
+        parts += [technique.token for technique in TECHNIQUES if getattr(self, technique.knob)]
         if self.master_weights == MasterWeights.BF16:
             parts.append("bf16-masters")
-        if self.optimizer_in_backward:
-            parts.append("opt-in-bwd")
         parts += [f"mb{self.micro_batch_size}x{self.gradient_accumulation_steps}", self.precision, self.optimizer]
         return " ".join(parts) + f" on {self.nodes}x{self.gpus_per_node} {self.pool}"
-
-
-_OFFLOADED = (Offload.CPU, Offload.NVME)
-
-
-def strategy_conflicts(
-    method: Method | None = None,
-    precision: Precision | None = None,
-    zero_stage: int | None = None,
-    offload_optimizer: Offload | None = None,
-    offload_parameters: Offload | None = None,
-    optimizer: Optimizer | None = None,
-    chunked_loss: bool | None = None,
-    *,
-    gradient_checkpointing: bool | None = None,
-    activation_offloading: bool | None = None,
-    master_weights: MasterWeights | None = None,
-    engine: Engine | None = None,
-    optimizer_in_backward: bool | None = None,
-    gradient_accumulation_steps: int | None = None,
-    clips_gradients: bool | None = None,
-) -> list[str]:
-    """Why a combination of knobs cannot run as planned: the trainer's preflight refuses it, DeepSpeed
-    refuses it, or DeepSpeed silently ignores part of it. ``None`` (and ``auto``) is a knob not decided
-    yet: only the rules whose knobs are all decided apply, so the same rules check a spec's pinned knobs
-    and each strategy the planner generates."""
-    qlora = method == Method.QLORA
-    # DeepSpeed cannot partition or offload 4-bit weights; FSDP2 shards their bf16-stored codes (FSDP-QLoRA).
-    qlora_on_deepspeed = qlora and engine != Engine.FSDP2
-    offloads_optimizer = offload_optimizer in _OFFLOADED
-    offloads_parameters = offload_parameters in _OFFLOADED
-    conflicts = []
-    if qlora and precision in (Precision.FP16, Precision.FP32):
-        conflicts.append(
-            f"method qlora computes in bf16 (the trainer refuses it in {precision}): set training.precision "
-            "to bf16 or auto, on a GPU with bf16"
-        )
-    if qlora_on_deepspeed and zero_stage == 3:
-        conflicts.append("method qlora cannot run under ZeRO-3 (4-bit weights are not partitioned); use zeroStage 0-2")
-    if qlora_on_deepspeed and offloads_parameters:
-        conflicts.append(
-            "method qlora keeps its 4-bit base on the GPU: parameter offload needs ZeRO-3, which qlora cannot use"
-        )
-    if offloads_parameters and zero_stage is not None and zero_stage != 3:
-        conflicts.append(
-            "strategy.offloadParameters needs zeroStage 3 (only ZeRO-3 partitions parameters; DeepSpeed "
-            "ignores parameter offload under ZeRO 0-2)"
-        )
-    if offloads_optimizer and zero_stage == 0:
-        conflicts.append("strategy.offloadOptimizer needs zeroStage 1-3 (DeepSpeed ignores it without ZeRO)")
-    if offload_optimizer == Offload.NVME and (zero_stage in (1, 2) or (qlora and zero_stage is None)):
-        conflicts.append(
-            "strategy.offloadOptimizer nvme needs zeroStage 3 (ZeRO-1 and ZeRO-2 keep offloaded optimizer "
-            "states in CPU memory, whatever the device says)"
-        )
-    if offloads_optimizer and optimizer in EIGHT_BIT_OPTIMIZERS:
-        conflicts.append("8-bit optimizers run on the GPU; they cannot be combined with strategy.offloadOptimizer")
-    if chunked_loss and zero_stage == 3:
-        conflicts.append(
-            "strategy.chunkedLoss needs zeroStage 0-2 (ZeRO-3 partitions the LM head's weight, which the chunked "
-            "loss reads whole)"
-        )
-    if activation_offloading and gradient_checkpointing is False:
-        conflicts.append(
-            "strategy.activationOffloading moves the saved inputs of checkpointed layers: it needs "
-            "strategy.gradientCheckpointing true"
-        )
-    bf16_masters = master_weights == MasterWeights.BF16
-    if bf16_masters and precision in (Precision.FP16, Precision.FP32):
-        conflicts.append(f"strategy.masterWeights bf16 needs training.precision bf16 (not {precision})")
-    if engine == Engine.FSDP2:
-        conflicts += _fsdp2_conflicts(precision, zero_stage, offload_optimizer, offload_parameters, optimizer)
-    if bf16_masters and offloads_optimizer and engine != Engine.FSDP2:
-        conflicts.append(
-            "strategy.masterWeights bf16 keeps the optimizer on the GPU; with strategy.offloadOptimizer use fp32 "
-            "masters (host memory holds them)"
-        )
-    if optimizer_in_backward:
-        conflicts += _optimizer_in_backward_conflicts(engine, gradient_accumulation_steps, clips_gradients)
-    return conflicts
-
-
-def _optimizer_in_backward_conflicts(
-    engine: Engine | None, gradient_accumulation_steps: int | None, clips_gradients: bool | None
-) -> list[str]:
-    """Each parameter steps as soon as its gradient is reduced: only fsdp2's hooks do that, the gradient must
-    be final (one micro-batch per step), and no step can wait for the norm of all gradients."""
-    conflicts = []
-    if engine is not None and engine != Engine.FSDP2:
-        conflicts.append(
-            "strategy.optimizerInBackward needs strategy.engine fsdp2 (it steps each sharded parameter from its "
-            "post-accumulate-grad hook)"
-        )
-    if gradient_accumulation_steps is not None and gradient_accumulation_steps > 1:
-        conflicts.append(
-            f"strategy.optimizerInBackward needs gradient accumulation 1 (got {gradient_accumulation_steps}): "
-            "each micro-batch's gradients are stepped on as its backward makes them; use a micro-batch of "
-            "globalBatchSize / GPUs"
-        )
-    if clips_gradients:
-        conflicts.append(
-            "strategy.optimizerInBackward cannot clip gradients (a parameter's step cannot wait for the global "
-            "norm of all of them): set training.maxGradNorm: 0"
-        )
-    return conflicts
-
-
-def _fsdp2_conflicts(
-    precision: Precision | None,
-    zero_stage: int | None,
-    offload_optimizer: Offload | None,
-    offload_parameters: Offload | None,
-    optimizer: Optimizer | None,
-) -> list[str]:
-    """What the FSDP2 engine cannot run: it always shards parameters, gradients and optimizer states (ZeRO
-    2 or 3, by whether parameters are resharded after the forward pass), and its CPUOffloadPolicy moves all
-    three to the host together."""
-    conflicts = []
-    if precision == Precision.FP16:
-        conflicts.append("strategy.engine fsdp2 trains in bf16 or fp32 (fp16 needs loss scaling, which it does not do)")
-    if zero_stage in (0, 1):
-        conflicts.append(
-            "strategy.engine fsdp2 shards parameters, gradients and optimizer states: zeroStage 3 (resharded "
-            "after the forward pass) or 2 (kept gathered until the backward pass)"
-        )
-    if Offload.NVME in (offload_optimizer, offload_parameters):
-        conflicts.append("strategy.engine fsdp2 offloads to CPU memory only (no NVMe)")
-    elif None not in (offload_optimizer, offload_parameters) and offload_optimizer != offload_parameters:
-        conflicts.append(
-            "strategy.engine fsdp2 offloads parameters, gradients and optimizer states together: set "
-            "offloadOptimizer and offloadParameters alike"
-        )
-    if optimizer is not None and optimizer != Optimizer.ADAMW:
-        conflicts.append(
-            f"training.optimizer {optimizer} runs on the deepspeed engine; strategy.engine fsdp2 runs adamw (on "
-            "its sharded tensors)"
-        )
-    return conflicts
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,9 +7,16 @@ A plan never holds ``auto``: the ``Planned*`` types are the subsets a chosen str
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
 from pydantic import Field
+
+MANAGED_BY_LABEL: Final = "app.kubernetes.io/managed-by"
+MANAGED_BY: Final = "memfit"
+"""The label, and its value, on every object the operator creates: how it finds (and watches) its own pods."""
+
+TIMESTAMP_FORMAT: Final = "%Y-%m-%dT%H:%M:%SZ"
+"""RFC 3339 in UTC to the second (``strftime``): the timestamps of a FineTuneJob's status."""
 
 
 class Method(StrEnum):
@@ -157,6 +164,12 @@ class Outcome(StrEnum):
     CONFIG_ERROR = "ConfigError"
     """The trainer refused its config or data: permanent, a restart would fail the same way."""
     SUSPENDED = "Suspended"
+
+
+EndedOutcome = Literal[
+    Outcome.SUCCEEDED, Outcome.FAILED, Outcome.OUT_OF_MEMORY, Outcome.CONFIG_ERROR, Outcome.SUSPENDED
+]
+"""How an attempt ended (never pending or running: an attempt under way has no outcome yet)."""
 
 
 class TerminationReason(StrEnum):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from memfit.api.gpupool import GPUPool
 from memfit.catalog.gpus import gpu_product
+from memfit.units import GIB
 
 CPU_PRODUCT = "local-cpu"
 CPU_TFLOPS_ESTIMATE = 0.1
@@ -62,7 +63,7 @@ def inspect_machine() -> LocalMachine:
 
 def local_pool(machine: LocalMachine, ranks: int) -> GPUPool:
     """A one-node pool of ``ranks`` devices of this machine."""
-    host_gib = machine.memory_bytes / 1024**3
+    host_gib = machine.memory_bytes / GIB
     if machine.has_gpus:
         if ranks > len(machine.gpu_names):
             raise ValueError(f"--nproc {ranks}: this machine has {len(machine.gpu_names)} GPU(s)")

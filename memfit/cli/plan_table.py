@@ -17,9 +17,9 @@ from memfit.api.finetunejob import MIN_SEQUENCE_LENGTH, FineTuneJob
 from memfit.api.plan import PerGPUMemory, PhaseMemory, PlanCandidate, PlanResult
 from memfit.api.vocabulary import Offload, StepPhase
 from memfit.planner.longest import LongestSequence
-from memfit.planner.search import speed_ratio
+from memfit.planner.report import speed_ratio
+from memfit.units import GIB
 
-GIB = 1024**3
 RUNNERS_UP = 5
 BAR_WIDTH = 30
 MOMENTS = {StepPhase.FORWARD_BACKWARD: "forward/backward pass", StepPhase.OPTIMIZER_STEP: "optimizer step"}

@@ -280,6 +280,10 @@ class DeepSpeedEngineSection(ApiModel):
         return self._settings.optimizer is not None
 
     @property
+    def optimizer_in_backward(self) -> bool:
+        return False  # only fsdp2's per-parameter hooks step in the backward pass
+
+    @property
     def names_precision(self) -> bool:
         """Whether ``config`` has a bf16 or fp16 section of its own (else the trainer adds
         :func:`precision_section`'s)."""

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal
 
 from pydantic import Field, Strict, field_validator, model_validator
 
 from memfit.api.base import ApiModel
-from memfit.api.plan import strategy_conflicts
+from memfit.api.knobs import Knobs, conflicts
 from memfit.api.vocabulary import EIGHT_BIT_OPTIMIZERS, Method, Offload
 from memfit.contract.engines import DEEPSPEED_OPTIMIZER_TYPES, DeepSpeedEngineSection, EngineSection
 from memfit.contract.layout import CheckpointLayout
@@ -37,6 +38,10 @@ from memfit.contract.sections import (
 CONFIG_VERSION: Final = 1
 JOB_NAME = r"^[^/\s]+/[^/\s]+$"
 """namespace/name (labels metrics and logs)."""
+SAID_IN_DEEPSPEED_TERMS: Final = ("method", "zero_stage", "offload_parameters", "optimizer", "chunked_loss")
+"""The knobs whose rules the DeepSpeed engine's checks state in their own terms (ZeRO-3, offload_param, the 8-bit
+optimizer's offload, qlora's precision in the trainer's preflight): left undecided in the knobs checked beside
+them, so that each problem is said once, in the words it always had."""
 
 
 class TrainerConfig(ApiModel):
@@ -81,14 +86,7 @@ class TrainerConfig(ApiModel):
     def _engine_problems(self) -> list[str]:
         if isinstance(self.engine, DeepSpeedEngineSection):
             return self._deepspeed_problems(self.engine)
-        t, fsdp2 = self.training, self.engine
-        return strategy_conflicts(t.method, t.precision, fsdp2.zero_stage, fsdp2.offload_optimizer,
-                                  fsdp2.offload_parameters, t.optimizer, t.chunked_loss,
-                                  gradient_checkpointing=t.gradient_checkpointing,
-                                  activation_offloading=t.activation_offloading, master_weights=t.master_weights,
-                                  engine=fsdp2.kind, optimizer_in_backward=fsdp2.optimizer_in_backward,
-                                  gradient_accumulation_steps=t.gradient_accumulation_steps,
-                                  clips_gradients=t.max_grad_norm > 0)  # fmt: skip
+        return conflicts(self.knobs())
 
     def _deepspeed_problems(self, section: DeepSpeedEngineSection) -> list[str]:
         t, ds = self.training, section.settings
@@ -110,20 +108,13 @@ class TrainerConfig(ApiModel):
         if enabled is not None and enabled != t.precision:
             problems.append(f"deepspeed enables {enabled} but training.precision is {t.precision}")
         problems += section.master_weights_problems(t.master_weights)
-        offloads_optimizer = section.offload_optimizer != Offload.NONE
         if t.method == Method.QLORA and (section.zero_stage == 3 or section.offload_parameters != Offload.NONE):
             problems.append("qlora's 4-bit weights cannot be partitioned or offloaded (ZeRO-3, offload_param)")
-        if t.optimizer in EIGHT_BIT_OPTIMIZERS and offloads_optimizer:
+        if t.optimizer in EIGHT_BIT_OPTIMIZERS and section.offload_optimizer != Offload.NONE:
             problems.append(f"{t.optimizer} keeps its 8-bit states on the GPU: it cannot be offloaded")
         if t.chunked_loss and section.zero_stage == 3:
             problems.append("training.chunkedLoss reads the LM head's weight whole: it cannot run under ZeRO-3")
-        problems += strategy_conflicts(  # the rules of the techniques, as the planner applies them
-            precision=t.precision,
-            offload_optimizer=Offload.CPU if offloads_optimizer else Offload.NONE,
-            gradient_checkpointing=t.gradient_checkpointing,
-            activation_offloading=t.activation_offloading,
-            master_weights=t.master_weights,
-        )
+        problems += conflicts(replace(self.knobs(), **dict.fromkeys(SAID_IN_DEEPSPEED_TERMS)))  # the techniques' rules
         if ds.optimizer is not None:
             built = DEEPSPEED_OPTIMIZER_TYPES[ds.optimizer.type.lower()]
             if built != t.optimizer:
@@ -153,6 +144,28 @@ class TrainerConfig(ApiModel):
             if root is not None and not within(path, root):
                 problems.append(f"{name} {path!r} is outside the {volume} volume {root!r}")
         return problems
+
+    def knobs(self) -> Knobs:
+        """The strategy this config runs, as the rules of memfit.api.knobs read it."""
+        t, engine = self.training, self.engine
+        return Knobs(
+            method=t.method,
+            precision=t.precision,
+            engine=engine.kind,
+            zero_stage=engine.zero_stage,
+            offload_optimizer=engine.offload_optimizer,
+            offload_parameters=engine.offload_parameters,
+            optimizer=t.optimizer,
+            attention=t.attention,
+            gradient_checkpointing=t.gradient_checkpointing,
+            micro_batch_size=t.micro_batch_size,
+            gradient_accumulation_steps=t.gradient_accumulation_steps,
+            master_weights=t.master_weights,
+            chunked_loss=t.chunked_loss,
+            activation_offloading=t.activation_offloading,
+            optimizer_in_backward=engine.optimizer_in_backward,
+            clips_gradients=t.max_grad_norm > 0,
+        )
 
     @property
     def world_size(self) -> int:

@@ -19,9 +19,11 @@ from memfit.api.finetunejob import FineTuneJobSpec
 from memfit.api.gpupool import GPUPool, PoolCapacity, pool_capacity
 from memfit.api.plan import PlanCandidate, RejectedCandidate
 from memfit.api.vocabulary import Method, Offload, StepPhase
+from memfit.planner.evaluated import Shortfall
 from memfit.planner.layouts import layouts
+from memfit.planner.report import Miss
+from memfit.units import GIB
 
-GIB = 1024**3
 LONG_SEQUENCE = 256
 """Below this many tokens per sequence a shorter sequence is not worth suggesting."""
 
@@ -56,7 +58,7 @@ class Untried:
 
 def advise(
     spec: FineTuneJobSpec,
-    misses: Sequence[RejectedCandidate],
+    misses: Sequence[Miss],
     pools: Sequence[GPUPool],
     untried: Collection[Untried],
     lighter: Mapping[str, PlanCandidate | None] = MappingProxyType({}),
@@ -93,11 +95,12 @@ def max_gpus_for(spec: FineTuneJobSpec, capacity: PoolCapacity) -> int:
     return max(counts, default=0)
 
 
-def _nearest_miss(spec: FineTuneJobSpec, nearest: RejectedCandidate, pools: Sequence[GPUPool]) -> list[str]:
+def _nearest_miss(spec: FineTuneJobSpec, miss: Miss, pools: Sequence[GPUPool]) -> list[str]:
+    nearest = miss.candidate
     strategy, memory = nearest.strategy, nearest.memory
     capacity = _capacity(pools, strategy.pool)
     advice = [f"nearest miss: {strategy.summary()} ({nearest.reason})"]
-    if nearest.reason.startswith("excluded"):  # misses are sorted: every one is excluded
+    if miss.shortfall == Shortfall.EXCLUDED:  # misses are sorted: every one is excluded
         advice.append(
             "no candidate estimated to fit is left: each one ran out of memory before (status.excludedStrategies)"
         )
@@ -106,8 +109,8 @@ def _nearest_miss(spec: FineTuneJobSpec, nearest: RejectedCandidate, pools: Sequ
     limit = int(capacity.gpu_memory_bytes * headroom)
     gpu = memory.per_gpu
     gap = gpu.total - limit
-    if nearest.reason.startswith(("CPU memory", "NVMe")):
-        advice.append(_host_line(spec, nearest, gpu_fits=gap <= 0))
+    if miss.shortfall.on_host:
+        advice.append(_host_line(spec, miss, gpu_fits=gap <= 0))
         if gap > 0:
             advice.append(f"it also needs {gap / GIB:.1f} GiB more per GPU")
         return advice
@@ -158,11 +161,11 @@ def _nearest_miss(spec: FineTuneJobSpec, nearest: RejectedCandidate, pools: Sequ
     return advice
 
 
-def _host_line(spec: FineTuneJobSpec, nearest: RejectedCandidate, gpu_fits: bool) -> str:
+def _host_line(spec: FineTuneJobSpec, miss: Miss, gpu_fits: bool) -> str:
     """The host memory the nearest miss lacks, and what would give it more."""
-    strategy, pinned = nearest.strategy, spec.strategy
+    strategy, pinned = miss.candidate.strategy, spec.strategy
     than_gpu = " (the GPU memory would do)" if gpu_fits else ", even more than the GPU memory"
-    if nearest.reason.startswith("NVMe"):
+    if miss.shortfall == Shortfall.NVME:
         line = f"the host's NVMe falls short{than_gpu}: more NVMe per node (nvmeGiBPerNode)"
     else:
         line = f"the host's CPU memory falls short{than_gpu}: more CPU memory per node (cpuMemoryGiBPerNode)"

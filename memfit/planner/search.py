@@ -1,3 +1,29 @@
+"""The planner's search: every way to run a job on every pool, evaluated for memory and speed.
+
+Order (:func:`plan_job`): every method the spec allows (all three for ``auto``), on every pool, over the pool's
+layouts (nodes x GPUs per node that divide the batch) with the most GPUs first, then each precision and
+engine, ZeRO stage and offload (:func:`_zero_options`: the combinations the rule table allows, without
+duplicates), with and without recomputation. For each such knob combination the largest micro-batch that
+fits is found (:func:`_largest_fitting_micro_batch`: the no-accumulation micro-batch, then the smallest, then
+a bisection between them), plain first, then with the memory-saving techniques (:mod:`memfit.api.techniques`,
+cheapest first), which are kept only where they fit a larger micro-batch (:func:`_fit_knobs`). Master weights
+stay fp32 unless pinned: bf16 masters change the numerics, so a second pass plans them only where nothing
+fits with fp32.
+
+Pruning, none of which can drop a plan the report would show:
+
+* options another one dominates outright (:func:`_dominated`): NVMe offload where CPU offload fits,
+  recomputation, offload or a higher ZeRO stage where a lighter option fits the largest micro-batch;
+* knob combinations whose best case (largest micro-batch, no accumulation) is slower than MAX_CANDIDATES
+  plans of the method already found (:meth:`_Search.outpaced`);
+* techniques where the model states alone overflow (they shrink activations and gradients only), or where
+  even all of them together fit no larger micro-batch;
+* below a group's nearest miss, only the nearest miss of each pool x layout x method is kept.
+
+The report (ranking, the techniques worth their cost, why the first won) is :mod:`memfit.planner.report`;
+the records evaluated are :mod:`memfit.planner.evaluated`.
+"""
+
 from __future__ import annotations
 
 import heapq
@@ -9,15 +35,10 @@ from typing import Any
 
 from memfit.api.finetunejob import FineTuneJobSpec
 from memfit.api.gpupool import GPUPool, PoolCapacity, pool_capacity
-from memfit.api.plan import (
-    PlanCandidate,
-    PlanMemory,
-    PlanResult,
-    PlanThroughput,
-    RejectedCandidate,
-    Strategy,
-    strategy_conflicts,
-)
+from memfit.api.knobs import Knobs
+from memfit.api.knobs import conflicts as knob_conflicts
+from memfit.api.plan import PlanCandidate, PlanResult, Strategy
+from memfit.api.techniques import TECHNIQUES
 from memfit.api.vocabulary import (
     Attention,
     Engine,
@@ -33,92 +54,38 @@ from memfit.memory.estimate import (
     LoraSettings,
     StaticMemory,
     activation_setup,
-    peak_memory,
     static_memory,
     step_total,
 )
 from memfit.model_shape import ModelShape
 from memfit.planner.advice import Untried, advise
+from memfit.planner.evaluated import Chosen, Evaluated, Fit, shortfall_ratio
 from memfit.planner.layouts import layouts
-from memfit.planner.throughput import estimate_throughput, step_seconds
-
-GIB = 1024**3
-MAX_CANDIDATES = 50
-"""Feasible candidates reported (the best of each method always among them)."""
-METHOD_PREFERENCE: tuple[PlannedMethod, ...] = (Method.FULL, Method.LORA, Method.QLORA)
-"""`method: auto` takes the method that changes the model least among those that fit."""
-MAX_REJECTED = 25
-"""Nearest misses reported: the closest attempt of each pool x layout x method, closest first."""
+from memfit.planner.report import (
+    MAX_CANDIDATES,
+    MAX_REJECTED,
+    METHOD_PREFERENCE,
+    nearest_first,
+    ranked,
+    reported,
+    to_candidate,
+    to_miss,
+    why_chosen,
+)
+from memfit.planner.throughput import step_seconds
 
 
 class PlanningError(ValueError):
     """The request cannot be planned at all (e.g. a pool it names does not exist)."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Evaluated:
-    template: Strategy
-    micro_batch_size: int
-    gradient_accumulation_steps: int
-    static: StaticMemory
-    activations: ActivationEstimate
-    capacity: PoolCapacity
-    trainable: int
-    limit: int
-    miss_ratio: float
-    excluded: bool = False
-
-    @property
-    def fits(self) -> bool:
-        return self.miss_ratio <= 1 and not self.excluded
-
-    @property
-    def memory(self) -> PlanMemory:
-        """The full breakdown (the search itself needs only the totals: built for what is reported)."""
-        return peak_memory(self.static, self.activations, self.gradient_accumulation_steps)
-
-    @property
-    def reason(self) -> str | None:
-        """Why it does not fit (None when it does)."""
-        if self.excluded:
-            return "excluded: it ran out of memory before"
-        return None if self.fits else _shortfall_reason(self.memory, self.limit, self.capacity)
-
-    @property
-    def strategy(self) -> Strategy:
-        t = self.template
-        return _rebuilt(t, self.micro_batch_size, self.gradient_accumulation_steps, t.chunked_loss,
-                        t.activation_offloading, t.optimizer_in_backward)  # fmt: skip
+Variant = tuple[bool, ...]
+"""Whether each of TECHNIQUES is on, in their order."""
 
 
-def _rebuilt(t: Strategy, micro: int, accumulation: int, chunked_loss: bool, activation_offloading: bool,
-             optimizer_in_backward: bool) -> Strategy:  # fmt: skip
-    """``t`` with these knobs, built field by field: dataclasses.replace is several times slower (inner loop)."""
-    return Strategy(
-        method=t.method, pool=t.pool, nodes=t.nodes, gpus_per_node=t.gpus_per_node, zero_stage=t.zero_stage,
-        offload_optimizer=t.offload_optimizer, offload_parameters=t.offload_parameters,
-        gradient_checkpointing=t.gradient_checkpointing, micro_batch_size=micro,
-        gradient_accumulation_steps=accumulation, precision=t.precision, optimizer=t.optimizer,
-        attention=t.attention, chunked_loss=chunked_loss, activation_offloading=activation_offloading,
-        master_weights=t.master_weights, engine=t.engine, optimizer_in_backward=optimizer_in_backward,
-    )  # fmt: skip
-
-
-@dataclass(frozen=True, slots=True)
-class _Fit:
-    evaluated: _Evaluated
-    tokens_per_second: float
-    step_seconds: float
-    techniques: str | None = None
-    """What the plan's memory-saving techniques bought it (None: it uses none)."""
-
-    @property
-    def method(self) -> str:
-        return self.evaluated.template.method
-
-    @property
-    def throughput(self) -> PlanThroughput:
-        return PlanThroughput.model_construct(tokens_per_second=self.tokens_per_second, step_seconds=self.step_seconds)
+def _with_techniques(template: Strategy, variant: Variant) -> Strategy:
+    switches: dict[str, Any] = {technique.knob: on for technique, on in zip(TECHNIQUES, variant, strict=True)}
+    return replace(template, **switches)
 
 
 @dataclass
@@ -129,39 +96,52 @@ class _Search:
     shape: ModelShape
     lora: LoraSettings
     exclude: Collection[str]
-    fits: list[_Fit] = field(default_factory=list)
-    nearest_misses: dict[tuple[str, int, int, str], _Evaluated] = field(default_factory=dict)
-    static: dict[tuple[str, int, Offload, Offload, int, int, str, str, str, bool], StaticMemory] = field(
-        default_factory=dict
-    )
-    activations: dict[tuple[str, str, bool, int, Attention, bool, bool], ActivationEstimate] = field(
-        default_factory=dict
-    )
+    """Identities of strategies known to fail (status.excludedStrategies)."""
     master_weights: MasterWeights = MasterWeights.FP32
     """The masters this pass plans with (bf16 only where nothing fits with fp32, or pinned)."""
-    options: dict[tuple[str, str, bool, bool, Engine], tuple[tuple[int, Offload, Offload], ...]] = field(
-        default_factory=dict
-    )
-    variants: dict[tuple[bool, bool, Engine], list[_Variant]] = field(default_factory=dict)
+    fits: list[Fit] = field(default_factory=list)
+    nearest_misses: dict[tuple[str, int, int, str], Evaluated] = field(default_factory=dict)
+    static: dict[object, StaticMemory] = field(default_factory=dict)
+    activations: dict[object, ActivationEstimate] = field(default_factory=dict)
+    options: dict[
+        tuple[PlannedMethod, PlannedPrecision, bool, bool, Engine], tuple[tuple[int, Offload, Offload], ...]
+    ] = field(default_factory=dict)
+    variants: dict[Knobs, list[Variant]] = field(default_factory=dict)
     fastest: dict[str, list[float]] = field(default_factory=dict)
     """Per method, a min-heap of the MAX_CANDIDATES best speeds of plans without techniques found so far:
     knobs whose best case is slower than all of them cannot be reported, and are not evaluated."""
+    untried: set[Untried] = field(default_factory=set)
+    """Parts of the search where no candidate could be evaluated at all, and why (for the advice)."""
+
+    @property
+    def sequence_length(self) -> int:
+        return self.spec.training.sequence_length
+
+    @property
+    def pinned(self) -> Knobs:
+        """What the spec decides, with this pass's master weights (accumulation is the search's to choose)."""
+        return replace(self.spec.knobs(), master_weights=self.master_weights, gradient_accumulation_steps=None)
 
     def zero_options(
         self, method: PlannedMethod, precision: PlannedPrecision, capacity: PoolCapacity, gpus: int, engine: Engine
     ) -> tuple[tuple[int, Offload, Offload], ...]:
         """_zero_options, once per distinct input (it depends on the pool only through its NVMe)."""
-        key = (method, precision, capacity.nvme_bytes_per_node > 0, gpus == 1, engine)
-        options = self.options.get(key)
+        inputs = (method, precision, capacity.nvme_bytes_per_node > 0, gpus == 1, engine)
+        options = self.options.get(inputs)
         if options is None:
-            options = self.options[key] = tuple(_zero_options(self, method, precision, capacity, gpus, engine))
+            options = self.options[inputs] = tuple(_zero_options(self, *inputs))
         return options
 
-    def technique_variants(self, zero_stage: int, checkpointing: bool, engine: Engine) -> list[_Variant]:
-        key = (zero_stage == 3, checkpointing, engine)
-        variants = self.variants.get(key)
+    def technique_variants(self, zero_stage: int, checkpointing: bool, engine: Engine) -> list[Variant]:
+        knobs = Knobs(
+            zero_stage=zero_stage,
+            gradient_checkpointing=checkpointing,
+            engine=engine,
+            clips_gradients=self.spec.training.max_grad_norm > 0,
+        )
+        variants = self.variants.get(knobs)
         if variants is None:
-            variants = self.variants[key] = _technique_variants(self.spec, zero_stage, checkpointing, engine)
+            variants = self.variants[knobs] = _technique_variants(self.spec, knobs)
         return variants
 
     def outpaced(self, plain: Strategy, largest_micro: int, capacity: PoolCapacity) -> bool:
@@ -170,28 +150,20 @@ class _Search:
         heap = self.fastest.get(plain.method)
         if heap is None or len(heap) < MAX_CANDIDATES:
             return False
-        best_case = _rebuilt(plain, largest_micro, 1, plain.chunked_loss, plain.activation_offloading,
-                             plain.optimizer_in_backward)  # fmt: skip
+        best_case = replace(plain, micro_batch_size=largest_micro, gradient_accumulation_steps=1)
         trainable = self.static_memory(plain).trainable
         step = step_seconds(self.shape, best_case, capacity, self.sequence_length, trainable)
         return best_case.gpus * largest_micro * self.sequence_length / step < heap[0]
 
-    def found(self, fit: _Fit) -> None:
+    def found(self, fit: Fit) -> None:
         self.fits.append(fit)
         if fit.techniques is not None:
-            return  # _worth_their_cost may drop it: only plans without techniques raise the bar
+            return  # report.ranked may drop it: only plans without techniques raise the bar
         heap = self.fastest.setdefault(fit.method, [])
         if len(heap) < MAX_CANDIDATES:
             heapq.heappush(heap, fit.tokens_per_second)
         elif fit.tokens_per_second > heap[0]:
             heapq.heapreplace(heap, fit.tokens_per_second)
-
-    untried: set[Untried] = field(default_factory=set)
-    """Parts of the search where no candidate could be evaluated at all, and why (for the advice)."""
-
-    @property
-    def sequence_length(self) -> int:
-        return self.spec.training.sequence_length
 
     def static_memory(self, template: Strategy) -> StaticMemory:
         key = (template.method, template.zero_stage, template.offload_optimizer, template.offload_parameters,
@@ -213,22 +185,23 @@ class _Search:
 
 
 def plan_job(spec: FineTuneJobSpec, pools: Sequence[GPUPool], exclude: Collection[str] = ()) -> PlanResult:
-    """Plan ``spec`` on ``pools``; ``exclude`` holds strategy summaries known to fail (after an OOM)."""
+    """Plan ``spec`` on ``pools``; ``exclude`` holds the identities of strategies known to fail (after an
+    out-of-memory failure: ``Strategy.identity``)."""
     started = time.perf_counter()
     capacities = selected_pools(spec, pools)
     search = _search(spec, capacities, exclude)
-    ranked = _ranked(search)
-    candidates = [_to_candidate(search, fit.evaluated, fit.throughput, fit.techniques) for fit in _reported(ranked)]
-    misses = sorted(search.nearest_misses.values(), key=_ratio)[:MAX_REJECTED]
-    rejected = [_to_rejected(search, miss) for miss in misses]
+    fits = ranked(search.fits)
+    candidates = [to_candidate(search.shape, fit) for fit in reported(fits)]
+    nearest = nearest_first(list(search.nearest_misses.values()))[:MAX_REJECTED]
+    misses = [to_miss(search.shape, search.sequence_length, miss) for miss in nearest]
     chosen = candidates[0] if candidates else None
-    advice = [] if chosen else advise(spec, rejected, pools, search.untried, _lighter(search, capacities))
+    advice = [] if chosen else advise(spec, misses, pools, search.untried, _lighter(search, capacities))
     return PlanResult(
         chosen=chosen,
-        why_chosen=_why_chosen(spec, ranked) if ranked else None,
+        why_chosen=why_chosen(spec, fits) if fits else None,
         candidates=candidates,
-        feasible_count=len(ranked),
-        rejected=rejected,
+        feasible_count=len(fits),
+        rejected=[miss.candidate for miss in misses],
         planning_seconds=round(time.perf_counter() - started, 6),
         advice=advice,
     )
@@ -237,8 +210,21 @@ def plan_job(spec: FineTuneJobSpec, pools: Sequence[GPUPool], exclude: Collectio
 def best_plan(spec: FineTuneJobSpec, pools: Sequence[GPUPool]) -> PlanCandidate | None:
     """The plan ``plan_job`` would choose, without the report around it (no misses, no advice)."""
     search = _search(spec, selected_pools(spec, pools), ())
-    ranked = _ranked(search)
-    return _to_candidate(search, ranked[0].evaluated, ranked[0].throughput, ranked[0].techniques) if ranked else None
+    fits = ranked(search.fits)
+    return to_candidate(search.shape, fits[0]) if fits else None
+
+
+def selected_pools(spec: FineTuneJobSpec, pools: Sequence[GPUPool]) -> list[PoolCapacity]:
+    wanted = spec.resources.pool
+    if not pools:
+        raise PlanningError("no GPUPool is declared: give an inventory (memfit plan --inventory POOLS.yaml)")
+    if wanted is None:
+        return [pool_capacity(p) for p in pools]
+    selected = [pool_capacity(p) for p in pools if p.metadata.name == wanted]
+    if not selected:
+        names = ", ".join(p.metadata.name for p in pools)
+        raise PlanningError(f"resources.pool {wanted!r} is not a declared GPUPool; declared pools: {names}")
+    return selected
 
 
 def _search(spec: FineTuneJobSpec, capacities: list[PoolCapacity], exclude: Collection[str]) -> _Search:
@@ -256,10 +242,6 @@ def _search(spec: FineTuneJobSpec, capacities: list[PoolCapacity], exclude: Coll
     return search
 
 
-def _ranked(search: _Search) -> list[_Fit]:
-    return sorted(_worth_their_cost(search.fits), key=_preference)
-
-
 def _search_methods(search: _Search, capacities: list[PoolCapacity]) -> _Search:
     for method in _methods(search.spec):  # auto: every method, so that the best of each can be shown
         if _pinned_conflicts(search, method):
@@ -267,28 +249,6 @@ def _search_methods(search: _Search, capacities: list[PoolCapacity]) -> _Search:
         for capacity in capacities:
             _search_pool(search, capacity, method)
     return search
-
-
-MIN_TECHNIQUE_GAIN = 1.05
-"""A plan whose memory-saving techniques cost speed (recomputed LM head, PCIe copies, other numerics) must be
-at least this much faster than the best plan of its method without them: below it the estimated gain is
-within the throughput model's own uncertainty."""
-
-
-def _worth_their_cost(fits: list[_Fit]) -> list[_Fit]:
-    """Drop the plans whose techniques buy less than MIN_TECHNIQUE_GAIN over the best plan of their method
-    that uses none (where there is one: a technique that makes the method fit at all is always kept)."""
-    plain: dict[str, float] = {}
-    for fit in fits:
-        if fit.techniques is None:
-            plain[fit.method] = max(plain.get(fit.method, 0.0), fit.tokens_per_second)
-    return [
-        fit
-        for fit in fits
-        if fit.techniques is None
-        or fit.method not in plain
-        or fit.tokens_per_second >= MIN_TECHNIQUE_GAIN * plain[fit.method]
-    ]
 
 
 def _lighter(search: _Search, capacities: list[PoolCapacity]) -> dict[str, PlanCandidate | None]:
@@ -305,84 +265,13 @@ def _lighter(search: _Search, capacities: list[PoolCapacity]) -> dict[str, PlanC
                 _search_pool(alternative, capacity, method)
         search.untried |= alternative.untried
         if alternative.fits:
-            best = max(alternative.fits, key=lambda fit: fit.tokens_per_second)
-            lighter[method] = _to_candidate(alternative, best.evaluated, best.throughput, best.techniques)
+            lighter[method] = to_candidate(search.shape, max(alternative.fits, key=lambda fit: fit.tokens_per_second))
         elif alternative.nearest_misses:
-            lighter[method] = _to_rejected(alternative, min(alternative.nearest_misses.values(), key=_ratio))
+            nearest = nearest_first(list(alternative.nearest_misses.values()))[0]
+            lighter[method] = to_miss(search.shape, search.sequence_length, nearest).candidate
         else:
             lighter[method] = None
     return lighter
-
-
-def _ratio(miss: _Evaluated) -> float:
-    return miss.miss_ratio
-
-
-def _preference(fit: _Fit) -> tuple[int, float]:
-    """The planner's order: the method that changes the model least, then the fastest."""
-    return METHOD_PREFERENCE.index(fit.evaluated.template.method), -fit.tokens_per_second
-
-
-def _reported(ranked: list[_Fit]) -> list[_Fit]:
-    """The first MAX_CANDIDATES of ``ranked``, with the best of every method among them."""
-    heads: dict[str, int] = {}
-    for index, fit in enumerate(ranked):
-        heads.setdefault(fit.method, index)
-    rest = [index for index in range(len(ranked)) if index not in heads.values()]
-    kept = sorted({*heads.values(), *rest[: max(0, MAX_CANDIDATES - len(heads))]})
-    return [ranked[index] for index in kept]
-
-
-def speed_ratio(faster: float, slower: float) -> str:
-    """``faster`` against ``slower`` in words: "35% faster", "2.1x faster", "6% slower", "as fast"."""
-    ratio = faster / slower
-    if ratio >= 2:
-        return f"{ratio:.1f}x faster"
-    if ratio >= 1.005:
-        return f"{ratio - 1:.0%} faster"
-    return f"{1 - ratio:.0%} slower" if ratio <= 0.995 else "as fast"
-
-
-def _why_chosen(spec: FineTuneJobSpec, ranked: list[_Fit]) -> str:
-    """One sentence: why the first of ``ranked`` won."""
-    best = ranked[0]
-    method = best.method
-    same = [fit for fit in ranked if fit.method == method]
-    if len(same) == 1:
-        within = f"the only {method} plan that fits"
-    else:
-        ratio = speed_ratio(best.tokens_per_second, same[1].tokens_per_second)
-        versus = "as fast as the next" if ratio == "as fast" else f"{ratio} than the next"
-        within = f"the fastest of the {len(same)} {method} plans that fit ({versus})"
-    bought = f"; it uses {best.techniques}" if best.techniques else ""
-    if spec.method is not Method.AUTO:
-        return f"method {method} is pinned, and this is {within}{bought}."
-    higher = METHOD_PREFERENCE[: METHOD_PREFERENCE.index(method)]
-    sentence = "method auto takes the method that changes the model least (full, then lora, then qlora)"
-    if higher:
-        sentence += f" and no {' or '.join(higher)} plan fits"
-    sentence += f"; this is {within}"
-    others: dict[str, _Fit] = {}
-    for fit in ranked:
-        if fit.method != method:
-            others.setdefault(fit.method, fit)
-    for other, fit in others.items():
-        ratio = speed_ratio(fit.tokens_per_second, best.tokens_per_second)
-        sentence += f"; the best {other} plan would be {ratio} ({fit.tokens_per_second:,.0f} tokens/s est.)"
-    return sentence + bought + "."
-
-
-def selected_pools(spec: FineTuneJobSpec, pools: Sequence[GPUPool]) -> list[PoolCapacity]:
-    wanted = spec.resources.pool
-    if not pools:
-        raise PlanningError("no GPUPool is declared: give an inventory (memfit plan --inventory POOLS.yaml)")
-    if wanted is None:
-        return [pool_capacity(p) for p in pools]
-    selected = [pool_capacity(p) for p in pools if p.metadata.name == wanted]
-    if not selected:
-        names = ", ".join(p.metadata.name for p in pools)
-        raise PlanningError(f"resources.pool {wanted!r} is not a declared GPUPool; declared pools: {names}")
-    return selected
 
 
 def _methods(spec: FineTuneJobSpec) -> list[PlannedMethod]:
@@ -396,22 +285,12 @@ def _methods(spec: FineTuneJobSpec) -> list[PlannedMethod]:
 def _pinned_conflicts(search: _Search, method: PlannedMethod) -> bool:
     """Whether the spec's pinned knobs rule ``method`` out under every ZeRO stage, recording why: the
     conflicts that hold whatever the stage if there are any, else each stage's."""
-    spec, pinned = search.spec, search.spec.strategy
-
-    def conflicts(stage: int | None) -> list[str]:
-        return strategy_conflicts(method, spec.training.precision, stage, pinned.offload_optimizer,
-                                  pinned.offload_parameters, spec.training.optimizer, pinned.chunked_loss,
-                                  gradient_checkpointing=pinned.gradient_checkpointing,
-                                  activation_offloading=pinned.activation_offloading,
-                                  master_weights=search.master_weights, engine=pinned.engine,
-                                  optimizer_in_backward=pinned.optimizer_in_backward,
-                                  clips_gradients=spec.training.max_grad_norm > 0)  # fmt: skip
-
+    pinned = replace(search.pinned, method=method)
     stages = [pinned.zero_stage] if pinned.zero_stage is not None else [0, 1, 2, 3]
-    per_stage = [conflicts(stage) for stage in stages]
+    per_stage = [knob_conflicts(replace(pinned, zero_stage=stage)) for stage in stages]
     if not all(per_stage):
         return False
-    causes = conflicts(pinned.zero_stage) or [cause for stage_causes in per_stage for cause in stage_causes]
+    causes = knob_conflicts(pinned) or [cause for stage_causes in per_stage for cause in stage_causes]
     search.untried.update(Untried(pool=None, method=method, cause=cause) for cause in causes)
     return True
 
@@ -435,33 +314,30 @@ def _zero_options(
     search: _Search,
     method: PlannedMethod,
     precision: PlannedPrecision,
-    capacity: PoolCapacity,
-    gpus: int,
+    has_nvme: bool,
+    single_gpu: bool,
     engine: Engine,
 ) -> Iterator[tuple[int, Offload, Offload]]:
-    """(stage, optimizer offload, parameter offload) combinations that run as planned on ``engine`` (no
-    strategy_conflicts), without the ones that duplicate another: with several GPUs ZeRO-1 communicates
-    as much as ZeRO-0 and holds less; on one GPU DeepSpeed partitions nothing, so its stages differ only by
+    """(stage, optimizer offload, parameter offload) combinations that run as planned on ``engine`` (the rule
+    table allows them), without the ones that duplicate another: with several GPUs ZeRO-1 communicates as
+    much as ZeRO-0 and holds less; on one GPU DeepSpeed partitions nothing, so its stages differ only by
     what they offload (FSDP2's still differ: resharding after forward frees the gathered copies)."""
-    spec = search.spec
-    pinned = spec.strategy
+    pinned = search.spec.strategy
     stages = [pinned.zero_stage] if pinned.zero_stage is not None else [0, 1, 2, 3]
-    devices = [Offload.NONE, Offload.CPU] + ([Offload.NVME] if capacity.nvme_bytes_per_node else [])
-    optimizer = spec.training.optimizer
+    devices = [Offload.NONE, Offload.CPU] + ([Offload.NVME] if has_nvme else [])
+    knobs = replace(search.pinned, method=method, precision=precision, engine=engine)
     for stage in stages:
-        if pinned.zero_stage is None and engine == Engine.DEEPSPEED and (stage == 0 if gpus > 1 else stage == 2):
+        if pinned.zero_stage is None and engine == Engine.DEEPSPEED and (stage == 2 if single_gpu else stage == 0):
             continue
         for opt in _pinned_or(pinned.offload_optimizer, devices):
             # Adapters' states are too small to be worth moving (unless the spec says so).
             if opt != Offload.NONE and method != Method.FULL and pinned.offload_optimizer is None:
                 continue
             for params in _pinned_or(pinned.offload_parameters, devices if stage == 3 else [Offload.NONE]):
-                if strategy_conflicts(method, precision, stage, opt, params, optimizer, pinned.chunked_loss,
-                                      master_weights=search.master_weights, engine=engine,
-                                      optimizer_in_backward=pinned.optimizer_in_backward):  # fmt: skip
+                if knob_conflicts(replace(knobs, zero_stage=stage, offload_optimizer=opt, offload_parameters=params)):
                     continue
                 single_gpu_duplicate = (
-                    gpus == 1
+                    single_gpu
                     and engine == Engine.DEEPSPEED
                     and pinned.zero_stage is None
                     and ((stage == 1 and opt == Offload.NONE) or (stage == 3 and params == Offload.NONE))
@@ -509,15 +385,24 @@ def _search_pool(search: _Search, capacity: PoolCapacity, method: PlannedMethod)
                     variants = search.technique_variants(stage, ckpt, engine)
                     if not variants or (fitted and _dominated(fitted, stage, opt, params, ckpt, micro_batches[0])):
                         continue
-                    chunked, offloaded, in_backward = variants[0]
-                    plain = Strategy(
-                        method=method, pool=capacity.name, nodes=nodes, gpus_per_node=per_node,
-                        zero_stage=stage, offload_optimizer=opt, offload_parameters=params,
-                        gradient_checkpointing=ckpt, micro_batch_size=1, gradient_accumulation_steps=1,
-                        precision=precision, optimizer=spec.training.optimizer, attention=attention,
-                        chunked_loss=chunked, activation_offloading=offloaded, master_weights=search.master_weights,
-                        engine=engine, optimizer_in_backward=in_backward,
-                    )  # fmt: skip
+                    knobs = Strategy(
+                        method=method,
+                        pool=capacity.name,
+                        nodes=nodes,
+                        gpus_per_node=per_node,
+                        zero_stage=stage,
+                        offload_optimizer=opt,
+                        offload_parameters=params,
+                        gradient_checkpointing=ckpt,
+                        micro_batch_size=1,
+                        gradient_accumulation_steps=1,
+                        precision=precision,
+                        optimizer=spec.training.optimizer,
+                        attention=attention,
+                        master_weights=search.master_weights,
+                        engine=engine,
+                    )
+                    plain = _with_techniques(knobs, variants[0])
                     if search.outpaced(plain, micro_batches[0], capacity):
                         continue
                     micro = _fit_knobs(search, capacity, limit, plain, variants[1:], micro_batches, per_gpu_batch)
@@ -527,23 +412,23 @@ def _search_pool(search: _Search, capacity: PoolCapacity, method: PlannedMethod)
         search.untried.add(Untried(pool=capacity.name, method=None, cause=Untried.no_layout(spec)))
 
 
-_Variant = tuple[bool, bool, bool]
-"""(chunked loss, activation offloading, optimizer in backward)."""
-
-
-def _technique_variants(spec: FineTuneJobSpec, zero_stage: int, checkpointing: bool, engine: Engine) -> list[_Variant]:
-    """Combinations of the memory-saving techniques (the pinned value, or off then on), cheapest first: the
-    chunked loss (a recomputed LM head), then activation offloading (PCIe copies, checkpointed layers only),
-    then both; each without, then with the optimizer step in backward (no time: the same work moved into the
-    backward), which runs where the job allows it: fsdp2, no gradient clipping (accumulation 1:
+def _technique_variants(spec: FineTuneJobSpec, knobs: Knobs) -> list[Variant]:
+    """Combinations of the memory-saving techniques (each the pinned value, or off then on) that the rule
+    table allows with ``knobs``, cheapest first: the costliest technique varies slowest (activation
+    offloading's PCIe copies, then the chunked loss's recomputed LM head, then the optimizer step in backward,
+    which costs no time: the same work moved into the backward; accumulation 1:
     :func:`_largest_fitting_micro_batch`)."""
-    pinned = spec.strategy
-    chunked = [pinned.chunked_loss] if pinned.chunked_loss is not None else [False, True]
-    offloaded = [pinned.activation_offloading] if pinned.activation_offloading is not None else [False, True]
-    allowed = engine == Engine.FSDP2 and spec.training.max_grad_norm == 0
-    in_backward = [pinned.optimizer_in_backward] if pinned.optimizer_in_backward is not None else [False, allowed]
-    return [(c, o, b) for o in offloaded for c in chunked for b in dict.fromkeys(in_backward)
-            if not (c and zero_stage == 3) and not (o and not checkpointing)]  # fmt: skip
+    by_cost = sorted(TECHNIQUES, key=lambda technique: technique.cost, reverse=True)
+    choices = []
+    for technique in by_cost:
+        pinned: bool | None = getattr(spec.strategy, technique.knob)
+        choices.append([pinned] if pinned is not None else [False, True])
+    variants = []
+    for combination in itertools.product(*choices):
+        on: dict[str, Any] = dict(zip((technique.knob for technique in by_cost), combination, strict=True))
+        if not knob_conflicts(replace(knobs, **on)):
+            variants.append(tuple(on[technique.knob] for technique in TECHNIQUES))
+    return variants
 
 
 def _fit_knobs(
@@ -551,7 +436,7 @@ def _fit_knobs(
     capacity: PoolCapacity,
     limit: int,
     plain: Strategy,
-    variants: list[_Variant],
+    variants: list[Variant],
     micro_batches: list[int],
     per_gpu_batch: int,
 ) -> int | None:
@@ -562,16 +447,16 @@ def _fit_knobs(
     the model states' floor, so none is tried where the floor does not fit."""
     bf16_masters = plain.master_weights == MasterWeights.BF16 and search.spec.strategy.master_weights is None
     best = _largest_fitting_micro_batch(search, capacity, limit, plain, micro_batches, per_gpu_batch,
-                                        chosen=_Chosen((), None, bf16_masters) if bf16_masters else None)  # fmt: skip
+                                        chosen=Chosen((), None, bf16_masters) if bf16_masters else None)  # fmt: skip
     if best == micro_batches[0] or not variants or _states_short(search, capacity, limit, plain):
         return best
     larger = [micro for micro in micro_batches if micro > (best or 0)]
-    if not _fits_gpu(search, limit, _rebuilt(plain, 1, 1, *variants[-1]), larger[-1], per_gpu_batch):
+    if not _fits_gpu(search, limit, _with_techniques(plain, variants[-1]), larger[-1], per_gpu_batch):
         return best  # not even every technique together fits a larger micro-batch (they only save GPU memory)
     without = best
-    for chunked, offloaded, in_backward in variants:
-        variant = _rebuilt(plain, 1, 1, chunked, offloaded, in_backward)
-        added = _Chosen(_added_techniques(plain, variant), without, bf16_masters)
+    for techniques in variants:
+        variant = _with_techniques(plain, techniques)
+        added = Chosen(_added_techniques(plain, variant), without, bf16_masters)
         micro = _largest_fitting_micro_batch(search, capacity, limit, variant, micro_batches, per_gpu_batch,
                                              must_beat=best or 0, chosen=added)  # fmt: skip
         best = micro if micro is not None else best
@@ -588,38 +473,15 @@ def _fits_gpu(search: _Search, limit: int, template: Strategy, micro: int, per_g
 def _states_short(search: _Search, capacity: PoolCapacity, limit: int, template: Strategy) -> bool:
     """Whether the model states alone (no activation at all) overflow the GPU or the host."""
     static = search.static_memory(template)
-    return _shortfall_ratio_of(static.floor, static.cpu_per_node, static.nvme_per_node, limit, capacity) > 1
+    return shortfall_ratio(static.floor, static.cpu_per_node, static.nvme_per_node, limit, capacity) > 1
 
 
 def _added_techniques(plain: Strategy, variant: Strategy) -> tuple[str, ...]:
-    names = []
-    if variant.chunked_loss and not plain.chunked_loss:
-        names.append("chunked loss")
-    if variant.activation_offloading and not plain.activation_offloading:
-        names.append("activation offloading")
-    if variant.optimizer_in_backward and not plain.optimizer_in_backward:
-        names.append("optimizer step in backward")
-    return tuple(names)
-
-
-@dataclass(frozen=True, slots=True)
-class _Chosen:
-    """The techniques the planner added to a plan (beyond what the spec pins), and what for."""
-
-    names: tuple[str, ...]
-    without: int | None
-    """The largest micro-batch of the same knobs without them (None: nothing fits without)."""
-    bf16_masters: bool
-    """bf16 master weights, chosen because nothing fits with fp32 masters."""
-
-    def describe(self, micro: int) -> str | None:
-        parts = []
-        if self.names:
-            gain = "makes it fit" if self.without is None else f"micro-batch {micro} ({self.without} without)"
-            parts.append(f"{' and '.join(self.names)}: {gain}")
-        if self.bf16_masters:
-            parts.append("bf16 master weights: nothing fits with fp32 masters")
-        return "; ".join(parts) or None
+    return tuple(
+        technique.name
+        for technique in TECHNIQUES
+        if getattr(variant, technique.knob) and not getattr(plain, technique.knob)
+    )
 
 
 def _dominated(fitted: dict[tuple[int, Offload, Offload, bool], int], stage: int, opt: Offload, params: Offload,
@@ -650,7 +512,7 @@ def _largest_fitting_micro_batch(
     micro_batches: list[int],
     per_gpu_batch: int,
     must_beat: int | None = None,
-    chosen: _Chosen | None = None,
+    chosen: Chosen | None = None,
 ) -> int | None:
     """Find the largest micro-batch that fits and record it (returning it), or the nearest miss.
     ``per_gpu_batch`` (sequences per GPU per optimizer step) sets the accumulation of each micro-batch;
@@ -663,26 +525,26 @@ def _largest_fitting_micro_batch(
     static = search.static_memory(template)
     trainable = static.trainable
     if must_beat is not None:
-        if _shortfall_ratio_of(0, static.cpu_per_node, static.nvme_per_node, 1, capacity) > 1:
+        if shortfall_ratio(0, static.cpu_per_node, static.nvme_per_node, 1, capacity) > 1:
             return None  # the host falls short whatever the micro-batch: the plain attempt recorded the miss
         micro_batches = [micro for micro in micro_batches if micro > must_beat]  # only these can be recorded
 
     excluded = search.exclude
 
-    def attempt(micro: int) -> _Evaluated:
+    def attempt(micro: int) -> Evaluated:
         accumulation = per_gpu_batch // micro
         activations = search.activation_estimate(template, micro)
         total = step_total(static, activations, accumulation)
         cpu = static.cpu_per_node + static.ranks_per_node * activations.host_bytes
-        ratio = _shortfall_ratio_of(total, cpu, static.nvme_per_node, limit, capacity)
-        evaluated = _Evaluated(template, micro, accumulation, static, activations, capacity, trainable, limit, ratio)
-        if excluded and evaluated.strategy.summary() in excluded:
+        ratio = shortfall_ratio(total, cpu, static.nvme_per_node, limit, capacity)
+        evaluated = Evaluated(template, micro, accumulation, static, activations, capacity, trainable, limit, ratio)
+        if excluded and evaluated.strategy.identity() in excluded:
             return replace(evaluated, miss_ratio=float("inf"), excluded=True)
         return evaluated
 
     key = (capacity.name, template.nodes, template.gpus_per_node, template.method)
     known = search.nearest_misses.get(key)
-    floor = _shortfall_ratio_of(static.floor, static.cpu_per_node, static.nvme_per_node, limit, capacity)
+    floor = shortfall_ratio(static.floor, static.cpu_per_node, static.nvme_per_node, limit, capacity)
     if floor > 1:  # the model states alone do not fit: only the nearest miss of the group is kept
         if known is None or floor < known.miss_ratio:
             smallest = attempt(micro_batches[-1])
@@ -695,7 +557,7 @@ def _largest_fitting_micro_batch(
     # Memory grows with the micro-batch, except that accumulating (more than one micro-batch per step)
     # keeps gradients alive. So: the no-accumulation micro-batch first, then the smallest (when it
     # does not fit, no accumulating one does), then bisect between them.
-    best: _Evaluated | None = None
+    best: Evaluated | None = None
     largest = attempt(micro_batches[0])
     if largest.fits:
         return _record_fit(search, largest, must_beat, chosen)
@@ -717,58 +579,12 @@ def _largest_fitting_micro_batch(
     return None
 
 
-def _record_fit(search: _Search, fit: _Evaluated, must_beat: int | None, chosen: _Chosen | None) -> int | None:
+def _record_fit(search: _Search, fit: Evaluated, must_beat: int | None, chosen: Chosen | None) -> int | None:
     if must_beat is not None and fit.micro_batch_size <= must_beat:
         return None
     strategy = fit.strategy
     step = step_seconds(search.shape, strategy, fit.capacity, search.sequence_length, fit.trainable)
     tokens = strategy.gpus * strategy.micro_batch_size * strategy.gradient_accumulation_steps * search.sequence_length
     techniques = chosen.describe(fit.micro_batch_size) if chosen else None
-    search.found(_Fit(fit, tokens / step, step, techniques))
+    search.found(Fit(fit, tokens / step, step, techniques))
     return fit.micro_batch_size
-
-
-def _shortfall_ratio(memory: PlanMemory, limit: int, capacity: PoolCapacity) -> float:
-    """How far over its limits (GPU, CPU, NVMe) the plan is: the worst ratio; at most 1 when it fits."""
-    return _shortfall_ratio_of(memory.per_gpu.total, memory.per_node.cpu, memory.per_node.nvme, limit, capacity)
-
-
-def _shortfall_ratio_of(gpu: int, cpu: int, nvme: int, limit: int, capacity: PoolCapacity) -> float:
-    nvme_capacity = capacity.nvme_bytes_per_node
-    nvme_ratio = nvme / nvme_capacity if nvme_capacity else (float("inf") if nvme else 0.0)
-    return max(gpu / limit, cpu / capacity.cpu_memory_bytes_per_node, nvme_ratio)
-
-
-def _shortfall_reason(memory: PlanMemory, limit: int, capacity: PoolCapacity) -> str:
-    gpu, cpu, nvme = memory.per_gpu.total, memory.per_node.cpu, memory.per_node.nvme
-    worst = _shortfall_ratio(memory, limit, capacity)
-    if worst == gpu / limit:
-        return (f"GPU memory: needs {gpu / GIB:.1f} GiB per GPU, {limit / GIB:.1f} GiB usable "
-                f"({capacity.gpu_memory_bytes / GIB:.1f} GiB less headroom)")  # fmt: skip
-    if worst == cpu / capacity.cpu_memory_bytes_per_node:
-        has = capacity.cpu_memory_bytes_per_node / GIB
-        return f"CPU memory: needs {cpu / GIB:.1f} GiB per node, the pool has {has:.1f} GiB"
-    return f"NVMe: needs {nvme / GIB:.1f} GiB per node, the pool has {capacity.nvme_bytes_per_node / GIB:.1f} GiB"
-
-
-def _candidate_fields(search: _Search, evaluated: _Evaluated, throughput: PlanThroughput) -> dict[str, Any]:
-    return {
-        "strategy": evaluated.strategy,
-        "parameter_count": search.shape.parameter_count,
-        "trainable_parameter_count": evaluated.trainable,
-        "memory": evaluated.memory,
-        "gpu_memory_bytes": evaluated.capacity.gpu_memory_bytes,
-        "fits": evaluated.fits,
-        "throughput": throughput,
-    }
-
-
-def _to_candidate(
-    search: _Search, evaluated: _Evaluated, throughput: PlanThroughput, techniques: str | None
-) -> PlanCandidate:
-    return PlanCandidate(**_candidate_fields(search, evaluated, throughput), techniques=techniques)
-
-
-def _to_rejected(search: _Search, miss: _Evaluated) -> RejectedCandidate:
-    throughput = estimate_throughput(search.shape, miss.strategy, miss.capacity, search.sequence_length, miss.trainable)
-    return RejectedCandidate(**_candidate_fields(search, miss, throughput), reason=miss.reason)

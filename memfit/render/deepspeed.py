@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from memfit.api.finetunejob import FineTuneJobSpec
-from memfit.api.plan import Strategy, strategy_conflicts
+from memfit.api.knobs import conflicts as knob_conflicts
+from memfit.api.plan import Strategy
 from memfit.api.vocabulary import Method, Offload, Optimizer
 from memfit.contract.engines import precision_section
 from memfit.model_shape import ModelShape
@@ -45,14 +46,9 @@ def default_learning_rate(method: Method) -> float:
 
 def deepspeed_config(spec: FineTuneJobSpec, strategy: Strategy) -> dict[str, Any]:
     """The DeepSpeed JSON for running ``spec`` with ``strategy``. A strategy that would not run as planned
-    (``strategy_conflicts``: e.g. parameter offload, which DeepSpeed ignores below ZeRO-3) is an error,
+    (``memfit.api.knobs.conflicts``: e.g. parameter offload, which DeepSpeed ignores below ZeRO-3) is an error,
     never a config: the planner does not produce one."""
-    s = strategy
-    conflicts = strategy_conflicts(
-        s.method, s.precision, s.zero_stage, s.offload_optimizer, s.offload_parameters, s.optimizer, s.chunked_loss,
-        gradient_checkpointing=s.gradient_checkpointing, activation_offloading=s.activation_offloading,
-        master_weights=s.master_weights, engine=s.engine, optimizer_in_backward=s.optimizer_in_backward,
-    )  # fmt: skip
+    conflicts = knob_conflicts(strategy.knobs())
     if conflicts:
         raise ValueError(f"strategy {strategy.summary()!r} cannot run as planned: " + "; ".join(conflicts))
     shape = spec.model.architecture.shape()

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from memfit.api.plan import Strategy, strategy_conflicts
+from memfit.api.knobs import conflicts as knob_conflicts
+from memfit.api.plan import Strategy
 from memfit.api.vocabulary import Engine, MasterWeights, Offload, Precision
 from memfit.contract.engines import Fsdp2EngineSection
 
@@ -12,11 +13,7 @@ def fsdp2_config(strategy: Strategy) -> Fsdp2EngineSection:
     backward; offload is CPUOffloadPolicy; gradients are reduced in fp32 with fp32 masters, else in bf16."""
     s = strategy
     assert s.engine == Engine.FSDP2
-    conflicts = strategy_conflicts(s.method, s.precision, s.zero_stage, s.offload_optimizer, s.offload_parameters,
-                                   s.optimizer, s.chunked_loss, gradient_checkpointing=s.gradient_checkpointing,
-                                   activation_offloading=s.activation_offloading, master_weights=s.master_weights,
-                                   engine=s.engine, optimizer_in_backward=s.optimizer_in_backward,
-                                   gradient_accumulation_steps=s.gradient_accumulation_steps)  # fmt: skip
+    conflicts = knob_conflicts(s.knobs())
     if conflicts:
         raise ValueError(f"strategy {s.summary()!r} cannot run as planned: " + "; ".join(conflicts))
     pure_bf16 = s.master_weights == MasterWeights.BF16 or s.precision == Precision.FP32

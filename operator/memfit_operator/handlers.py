@@ -29,7 +29,7 @@ from pydantic import ValidationError
 from memfit.api.finetunejob import FineTuneJobStatus, Progress
 from memfit.api.gpupool import GPUPool
 from memfit.api.loading import describe_validation_error
-from memfit.api.vocabulary import Phase, Reason
+from memfit.api.vocabulary import MANAGED_BY, MANAGED_BY_LABEL, TIMESTAMP_FORMAT, Phase, Reason
 from memfit_operator.cluster_api import GROUP, JOBS, VERSION, ClusterApi, load_credentials
 from memfit_operator.metrics import FOLLOW_HANDLER, OperatorMetrics
 from memfit_operator.objects import attempt_of, owned_pods, owner_of
@@ -38,7 +38,7 @@ from memfit_operator.progress import fetch_progress, rank0_address
 from memfit_operator.reconcile import ACTIVE, Decision, Observation, reconcile
 from memfit_operator.settings import OperatorSettings
 
-MANAGED_BY = "app.kubernetes.io/managed-by=memfit"
+POD_SELECTOR = f"{MANAGED_BY_LABEL}={MANAGED_BY}"
 WAKEUP_HANDLERS = ("'pod_changed'", "'job_changed'")
 INDEX_LAG_SECONDS = 30.0
 """How long an object this daemon created is not created again: the pod index learns of a new pod from
@@ -90,7 +90,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="memfit.dev")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="memfit.dev")
     settings.posting.reporting_component = "memfit-operator"
-    settings.watching.label_selectors["v1", "pods"] = MANAGED_BY  # the server filters: no cluster-wide pod stream
+    settings.watching.label_selectors["v1", "pods"] = POD_SELECTOR  # the server filters: no cluster-wide pod stream
     peering = settings.peering
     if peering.mandatory and not peering.standalone and (peering.clusterwide or operator_settings.namespace):
         # kopf waits for the peering object in silence: say which one, and how to get out, while it is missing.
@@ -109,7 +109,7 @@ async def close(memo: kopf.Memo, **_: Any) -> None:
         await runtime.http.close()
 
 
-@kopf.index("", "v1", "pods", labels={"app.kubernetes.io/managed-by": "memfit"})
+@kopf.index("", "v1", "pods", labels={MANAGED_BY_LABEL: MANAGED_BY})
 def trainer_pods(namespace: str | None, body: kopf.Body, **_: Any) -> dict[Any, Any]:
     """Pods by (namespace, name of the FineTuneJob that controls them, by owner reference): the parts the
     reconciler reads. A pod no FineTuneJob controls is left out, whatever its labels say."""
@@ -133,7 +133,7 @@ def gpu_pools(name: str, body: kopf.Body, logger: kopf.Logger, **_: Any) -> dict
     return {None: pool}
 
 
-@kopf.on.event("", "v1", "pods", labels={"app.kubernetes.io/managed-by": "memfit"})
+@kopf.on.event("", "v1", "pods", labels={MANAGED_BY_LABEL: MANAGED_BY})
 def pod_changed(namespace: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     runtime: Runtime | None = memo.get("runtime")
     owner = owner_of({"metadata": _plain(body.get("metadata", {}))})
@@ -175,7 +175,7 @@ class JobFollower:
         # which a job deleted and created again under the same name shares with its predecessor.
         pods = [dict(p) for p in owned_pods(pods, (job.get("metadata") or {}).get("uid"))]
         await self._read_progress(status, job, pods)
-        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        now = datetime.now(UTC).strftime(TIMESTAMP_FORMAT)
         observation = Observation(job, pods, pools, self.progress, now)
         settings = self.runtime.settings
         # Planning is CPU work (milliseconds to tens of them): off the event loop, so watches and probes stay live.

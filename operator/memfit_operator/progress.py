@@ -26,6 +26,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from memfit.api.finetunejob import Progress
+from memfit.api.vocabulary import TIMESTAMP_FORMAT
 from memfit.contract.progress import (
     CHECKPOINT_STEP_METRIC,
     ETA_METRIC,
@@ -46,7 +47,7 @@ log = logging.getLogger("memfit.operator")
 
 
 def _rfc3339(moment: datetime) -> str:
-    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return moment.astimezone(UTC).strftime(TIMESTAMP_FORMAT)
 
 
 def parse_trainer_metrics(text: str, world_size: int, now: datetime) -> Progress | None:

@@ -25,7 +25,7 @@ from memfit.api.finetunejob import Attempt, FineTuneJob, FineTuneJobSpec, FineTu
 from memfit.api.gpupool import GPUPool, pool_capacity
 from memfit.api.loading import describe_validation_error
 from memfit.api.plan import PlanCandidate
-from memfit.api.vocabulary import ConditionType, Outcome, Phase, Reason
+from memfit.api.vocabulary import ConditionType, EndedOutcome, Outcome, Phase, Reason
 from memfit.planner.replan import checkpoint_layout, replan_after_oom
 from memfit.planner.search import PlanningError, plan_job
 from memfit.planner.throughput import peak_flops
@@ -335,7 +335,7 @@ def _suspend(run: _Pass, current: Attempt | None) -> None:
     run.condition(ConditionType.RUNNING, False, Reason.SUSPENDED, message)
 
 
-def _finish(run: _Pass, attempt: Attempt, outcome: Outcome, reason: str) -> None:
+def _finish(run: _Pass, attempt: Attempt, outcome: EndedOutcome, reason: str) -> None:
     attempt.finished, attempt.outcome, attempt.reason = run.observation.now, outcome, reason
 
 
@@ -422,7 +422,7 @@ class _Budget:
 
 
 def _end_attempt(
-    run: _Pass, attempt: Attempt, pods: Sequence[Mapping[str, Any]], outcome: Outcome, why: str, budget: _Budget
+    run: _Pass, attempt: Attempt, pods: Sequence[Mapping[str, Any]], outcome: EndedOutcome, why: str, budget: _Budget
 ) -> bool:
     """Remove the attempt's pods and record how it ended; False (and the job Failed) when the budget is spent."""
     run.delete_pods(pods)
@@ -456,7 +456,7 @@ def _replan_after_oom(
     budget = _Budget(status.replans, job.spec.max_replans, "re-plan(s)", "maxReplans", Reason.REPLAN_LIMIT_REACHED)
     if not _end_attempt(run, attempt, pods, Outcome.OUT_OF_MEMORY, why, budget):
         return
-    status.excluded_strategies.append(plan.strategy.summary())
+    status.excluded_strategies.append(plan.strategy.identity())
     result, layout_kept = replan_after_oom(job.spec, run.observation.pools, plan, status.excluded_strategies)
     if result.chosen is None:
         advice = "; ".join(result.advice)

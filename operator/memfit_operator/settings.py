@@ -8,7 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from memfit_operator.objects import GIB, METRICS_PORT, TrainerOptions
+from memfit.units import GIB
+from memfit_operator.objects import METRICS_PORT, TrainerOptions
 
 DEFAULT_TRAINER_IMAGE = "ghcr.io/memfit/memfit-trainer:0.1.0"
 

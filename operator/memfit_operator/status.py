@@ -14,13 +14,12 @@ from typing import Any
 
 from memfit.api.base import Condition
 from memfit.api.plan import PlanCandidate
-from memfit.api.vocabulary import ConditionType, Outcome, Reason, TerminationReason
-
-GIB = 1024**3
+from memfit.api.vocabulary import TIMESTAMP_FORMAT, ConditionType, Outcome, Reason, TerminationReason
+from memfit.units import GIB
 
 
 def now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime(TIMESTAMP_FORMAT)
 
 
 def set_condition(

@@ -16,6 +16,7 @@ import yaml
 from kubernetes import client
 
 from memfit.api.crd import ALL_CRD_FILES
+from memfit.api.vocabulary import TIMESTAMP_FORMAT
 from tests.k8s.apiserver import OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT, ApiServer
 
 ROOT = Path(__file__).parent.parent.parent
@@ -129,7 +130,7 @@ def server_table(server: ApiServer, path: str) -> dict[str, Any]:
 
 
 def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime(TIMESTAMP_FORMAT)
 
 
 class Kubelet:

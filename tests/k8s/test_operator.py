@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from memfit.api.finetunejob import FineTuneJob
 from memfit.api.loading import load_documents
+from memfit.api.vocabulary import MANAGED_BY, MANAGED_BY_LABEL
 from memfit.contract.engines import DeepSpeedEngineSection
 from memfit.planner.search import plan_job
 from memfit.render.trainer_config import render_trainer_config
@@ -299,7 +300,7 @@ def test_out_of_memory_replans_to_a_leaner_strategy(
     launched(api, "oom", 2, 1)
     status = read_job(api, "oom")["status"]
     assert status["replans"] == 1 and status["restarts"] == 0
-    assert status["excludedStrategies"] == [before.strategy.summary()]
+    assert status["excludedStrategies"] == [before.strategy.identity()]
     assert status["plan"]["memory"]["perGPU"]["total"] < before.memory.per_gpu.total
     assert status["attempts"][0]["outcome"] == "OutOfMemory"
     assert "CUDA out of memory at step 1" in status["attempts"][0]["reason"]
@@ -574,7 +575,7 @@ def test_pods_with_the_jobs_labels_that_it_does_not_own_are_left_alone(
                      "uid": "00000000-0000-0000-0000-000000000000", "controller": True}  # fmt: skip
     assert created["metadata"]["uid"] != spoofed_owner["uid"]
     for decoy, owners in (("decoy-labels", []), ("decoy-owner-name", [spoofed_owner])):
-        labels = {"app.kubernetes.io/managed-by": "memfit", JOB_LABEL: "decoyed", ATTEMPT_LABEL: "7",
+        labels = {MANAGED_BY_LABEL: MANAGED_BY, JOB_LABEL: "decoyed", ATTEMPT_LABEL: "7",
                   operator_objects.RANK_LABEL: "0"}  # fmt: skip
         core.create_namespaced_pod(NAMESPACE, {
             "metadata": {"name": decoy, "labels": labels, "ownerReferences": owners},

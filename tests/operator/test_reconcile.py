@@ -19,13 +19,13 @@ import yaml
 from memfit.api.finetunejob import FineTuneJobSpec, FineTuneJobStatus, Progress
 from memfit.api.gpupool import GPUPool
 from memfit.api.loading import load_documents
-from memfit.api.vocabulary import Phase
+from memfit.api.vocabulary import MANAGED_BY, MANAGED_BY_LABEL, Phase
+from memfit.units import GIB
 from memfit_operator.objects import ATTEMPT_LABEL, CONFIG_FILE, RANK_LABEL, TrainerOptions
 from memfit_operator.reconcile import Decision, Event, Observation, reconcile
 
 ROOT = Path(__file__).parent.parent.parent
 IMAGE = "registry.example/memfit-trainer:0.1.0"
-GIB = 1024**3
 POOLS: list[GPUPool] = load_documents(ROOT / "examples" / "inventory.yaml").pools
 
 
@@ -358,7 +358,7 @@ def test_pods_the_job_does_not_control_are_neither_followed_nor_deleted(gang: Fa
     gang.launch_running()
     mine = gang.attempt_pods(1)
     for name, attempt, phase in (("decoy-old", "7", "Running"), ("decoy-failed", "1", "Failed")):
-        labels = {"app.kubernetes.io/managed-by": "memfit", "memfit.dev/job": "llama-chat", ATTEMPT_LABEL: attempt,
+        labels = {MANAGED_BY_LABEL: MANAGED_BY, "memfit.dev/job": "llama-chat", ATTEMPT_LABEL: attempt,
                   RANK_LABEL: "0"}  # fmt: skip
         status = {"phase": phase, "podIP": "169.254.169.254"}
         gang.pods[name] = {"metadata": {"name": name, "labels": labels, "ownerReferences": owners}, "status": status}
@@ -609,7 +609,7 @@ def test_out_of_memory_replans_to_a_leaner_strategy(cluster: FakeCluster, kind: 
     status = decision.status
     new = status.plan
     assert new is not None and new.strategy.summary() != old.strategy.summary()
-    assert status.excluded_strategies == [old.strategy.summary()]
+    assert status.excluded_strategies == [old.strategy.identity()]
     assert new.memory.per_gpu.total < old.memory.per_gpu.total
     assert status.replans == 1 and status.restarts == 0 and status.phase is Phase.RESTARTING
     assert decision.replanned_after_oom and not decision.restarted and decision.planned == new
@@ -708,7 +708,7 @@ def test_successive_ooms_exclude_every_failed_strategy_and_keep_getting_leaner(c
         status = cluster.step().status
         plans.append(status.plan)
         assert status.replans == attempt
-        assert status.excluded_strategies == [p.strategy.summary() for p in plans[:-1]]
+        assert status.excluded_strategies == [p.strategy.identity() for p in plans[:-1]]
         cluster.running()
         cluster.step()
     totals = [p.memory.per_gpu.total for p in plans]
@@ -754,12 +754,12 @@ def test_an_oom_with_no_leaner_plan_fails_with_advice() -> None:
     document["spec"]["training"].update(globalBatchSize=8, precision="bf16")
     cluster = FakeCluster(document)
     cluster.launch_running()
-    summary = cluster.status.plan.strategy.summary()
+    summary, identity = cluster.status.plan.strategy.summary(), cluster.status.plan.strategy.identity()
     cluster.trainer_oom("llama-chat-a1-n0")
     decision = cluster.step()
     status = decision.status
     assert status.phase is Phase.FAILED and status.replans == 0 and not decision.replanned_after_oom
-    assert status.excluded_strategies == [summary] and status.plan.strategy.summary() == summary
+    assert status.excluded_strategies == [identity] and status.plan.strategy.summary() == summary
     assert reasons(decision.events) == [("Warning", "OutOfMemory"), ("Warning", "Failed")]
     assert "no leaner strategy fits the declared GPUPools. " in decision.events[-1].message
     assert "nearest miss" in decision.events[-1].message

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from memfit_operator.objects import GIB
+from memfit.units import GIB
 from memfit_operator.settings import OperatorSettings
 
 PEERS = [{"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]

@@ -1,0 +1,212 @@
+"""Every strategy knob in one record, and the rules over their combinations in one table.
+
+A spec pins some knobs, the planner decides the rest, and the trainer's config holds them all: each says
+once how it maps to :class:`Knobs` (``FineTuneJobSpec.knobs``, ``Strategy.knobs``, ``TrainerConfig.knobs``),
+and every check is ``conflicts(x.knobs())``. ``None`` is a knob not decided yet: a rule applies only where
+the knobs it reads are decided, so the same table checks a spec's pinned knobs and each strategy the
+planner generates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from memfit.api.vocabulary import (
+    EIGHT_BIT_OPTIMIZERS,
+    Attention,
+    Engine,
+    MasterWeights,
+    Method,
+    Offload,
+    Optimizer,
+    Precision,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Knobs:
+    """The choices of one way to run a job (where it runs, the pool and layout, is not a knob)."""
+
+    method: Method | None = None
+    precision: Precision | None = None
+    engine: Engine | None = None
+    zero_stage: int | None = None
+    offload_optimizer: Offload | None = None
+    offload_parameters: Offload | None = None
+    optimizer: Optimizer | None = None
+    attention: Attention | None = None
+    gradient_checkpointing: bool | None = None
+    micro_batch_size: int | None = None
+    gradient_accumulation_steps: int | None = None
+    master_weights: MasterWeights | None = None
+    chunked_loss: bool | None = None
+    activation_offloading: bool | None = None
+    optimizer_in_backward: bool | None = None
+    clips_gradients: bool | None = None
+    """Not a strategy knob but the training setting two rules read (training.maxGradNorm > 0)."""
+
+    @property
+    def qlora_on_deepspeed(self) -> bool:
+        """DeepSpeed cannot partition or offload 4-bit weights; FSDP2 shards their bf16-stored codes."""
+        return self.method == Method.QLORA and self.engine != Engine.FSDP2
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        return self.offload_optimizer in OFFLOADED
+
+    @property
+    def offloads_parameters(self) -> bool:
+        return self.offload_parameters in OFFLOADED
+
+    @property
+    def bf16_masters(self) -> bool:
+        return self.master_weights == MasterWeights.BF16
+
+
+KNOB_NAMES = tuple(field.name for field in fields(Knobs))
+
+
+def knobs_of(record: object, **decided: Any) -> Knobs:
+    """The knobs ``record`` holds as attributes of the same names (``StrategySpec``, ``Strategy``), with
+    ``decided`` for the ones it does not hold or overrides."""
+    held = {name: getattr(record, name) for name in KNOB_NAMES if hasattr(record, name)}
+    return Knobs(**{**held, **decided})
+
+
+OFFLOADED = (Offload.CPU, Offload.NVME)
+_NOT_BF16 = (Precision.FP16, Precision.FP32)
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One reason a combination of knobs cannot run as planned: the trainer's preflight refuses it,
+    DeepSpeed or FSDP2 refuses it, or silently ignores part of it."""
+
+    applies: Callable[[Knobs], bool]
+    message: str
+    """Formatted with the knobs' fields (e.g. ``{precision}``)."""
+
+    def check(self, knobs: Knobs) -> str | None:
+        return self.message.format(**asdict(knobs)) if self.applies(knobs) else None
+
+
+def _fsdp2(knobs: Knobs) -> bool:
+    return knobs.engine == Engine.FSDP2
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(
+        lambda k: k.method == Method.QLORA and k.precision in _NOT_BF16,
+        "method qlora computes in bf16 (the trainer refuses it in {precision}): set training.precision to bf16 or "
+        "auto, on a GPU with bf16",
+    ),
+    Rule(
+        lambda k: k.qlora_on_deepspeed and k.zero_stage == 3,
+        "method qlora cannot run under ZeRO-3 (4-bit weights are not partitioned); use zeroStage 0-2",
+    ),
+    Rule(
+        lambda k: k.qlora_on_deepspeed and k.offloads_parameters,
+        "method qlora keeps its 4-bit base on the GPU: parameter offload needs ZeRO-3, which qlora cannot use",
+    ),
+    Rule(
+        lambda k: k.offloads_parameters and k.zero_stage is not None and k.zero_stage != 3,
+        "strategy.offloadParameters needs zeroStage 3 (only ZeRO-3 partitions parameters; DeepSpeed ignores "
+        "parameter offload under ZeRO 0-2)",
+    ),
+    Rule(
+        lambda k: k.offloads_optimizer and k.zero_stage == 0,
+        "strategy.offloadOptimizer needs zeroStage 1-3 (DeepSpeed ignores it without ZeRO)",
+    ),
+    Rule(
+        lambda k: (
+            k.offload_optimizer == Offload.NVME
+            and (k.zero_stage in (1, 2) or (k.method == Method.QLORA and k.zero_stage is None))
+        ),
+        "strategy.offloadOptimizer nvme needs zeroStage 3 (ZeRO-1 and ZeRO-2 keep offloaded optimizer states in "
+        "CPU memory, whatever the device says)",
+    ),
+    Rule(
+        lambda k: k.offloads_optimizer and k.optimizer in EIGHT_BIT_OPTIMIZERS,
+        "8-bit optimizers run on the GPU; they cannot be combined with strategy.offloadOptimizer",
+    ),
+    Rule(
+        lambda k: bool(k.chunked_loss) and k.zero_stage == 3,
+        "strategy.chunkedLoss needs zeroStage 0-2 (ZeRO-3 partitions the LM head's weight, which the chunked loss "
+        "reads whole)",
+    ),
+    Rule(
+        lambda k: bool(k.activation_offloading) and k.gradient_checkpointing is False,
+        "strategy.activationOffloading moves the saved inputs of checkpointed layers: it needs "
+        "strategy.gradientCheckpointing true",
+    ),
+    Rule(
+        lambda k: k.bf16_masters and k.precision in _NOT_BF16,
+        "strategy.masterWeights bf16 needs training.precision bf16 (not {precision})",
+    ),
+    # What the FSDP2 engine cannot run: it always shards parameters, gradients and optimizer states (ZeRO 2 or
+    # 3, by whether parameters are resharded after the forward pass), and its CPUOffloadPolicy moves all three
+    # to the host together.
+    Rule(
+        lambda k: _fsdp2(k) and k.precision == Precision.FP16,
+        "strategy.engine fsdp2 trains in bf16 or fp32 (fp16 needs loss scaling, which it does not do)",
+    ),
+    Rule(
+        lambda k: _fsdp2(k) and k.zero_stage in (0, 1),
+        "strategy.engine fsdp2 shards parameters, gradients and optimizer states: zeroStage 3 (resharded after the "
+        "forward pass) or 2 (kept gathered until the backward pass)",
+    ),
+    Rule(
+        lambda k: _fsdp2(k) and Offload.NVME in (k.offload_optimizer, k.offload_parameters),
+        "strategy.engine fsdp2 offloads to CPU memory only (no NVMe)",
+    ),
+    Rule(
+        lambda k: (
+            _fsdp2(k)
+            and Offload.NVME not in (k.offload_optimizer, k.offload_parameters)
+            and None not in (k.offload_optimizer, k.offload_parameters)
+            and k.offload_optimizer != k.offload_parameters
+        ),
+        "strategy.engine fsdp2 offloads parameters, gradients and optimizer states together: set offloadOptimizer "
+        "and offloadParameters alike",
+    ),
+    Rule(
+        lambda k: _fsdp2(k) and k.optimizer is not None and k.optimizer != Optimizer.ADAMW,
+        "training.optimizer {optimizer} runs on the deepspeed engine; strategy.engine fsdp2 runs adamw (on its "
+        "sharded tensors)",
+    ),
+    Rule(
+        lambda k: k.bf16_masters and k.offloads_optimizer and not _fsdp2(k),
+        "strategy.masterWeights bf16 keeps the optimizer on the GPU; with strategy.offloadOptimizer use fp32 masters "
+        "(host memory holds them)",
+    ),
+    # The optimizer step in backward: each parameter steps as soon as its gradient is reduced: only fsdp2's hooks
+    # do that, the gradient must be final (one micro-batch per step), and no step can wait for the norm of all
+    # gradients.
+    Rule(
+        lambda k: bool(k.optimizer_in_backward) and k.engine is not None and not _fsdp2(k),
+        "strategy.optimizerInBackward needs strategy.engine fsdp2 (it steps each sharded parameter from its "
+        "post-accumulate-grad hook)",
+    ),
+    Rule(
+        lambda k: (
+            bool(k.optimizer_in_backward)
+            and k.gradient_accumulation_steps is not None
+            and k.gradient_accumulation_steps > 1
+        ),
+        "strategy.optimizerInBackward needs gradient accumulation 1 (got {gradient_accumulation_steps}): each "
+        "micro-batch's gradients are stepped on as its backward makes them; use a micro-batch of globalBatchSize "
+        "/ GPUs",
+    ),
+    Rule(
+        lambda k: bool(k.optimizer_in_backward) and bool(k.clips_gradients),
+        "strategy.optimizerInBackward cannot clip gradients (a parameter's step cannot wait for the global norm of "
+        "all of them): set training.maxGradNorm: 0",
+    ),
+)
+
+
+def conflicts(knobs: Knobs) -> list[str]:
+    """Why ``knobs`` cannot run as planned, one message per broken rule (none: they can)."""
+    return [message for rule in RULES if (message := rule.check(knobs)) is not None]

@@ -1,0 +1,34 @@
+"""The memory-saving techniques the planner can add to a plan, one descriptor each.
+
+The search, ``Strategy.summary()`` and the "what it bought" text iterate over :data:`TECHNIQUES`; where a
+technique is allowed is said by the rule table (:mod:`memfit.api.knobs`), so a new technique is a
+descriptor here, its knob (``Knobs``, ``Strategy``, ``StrategySpec``), its rules, its memory and throughput
+terms, and its trainer module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Technique:
+    knob: str
+    """Its field in ``Knobs``, ``Strategy`` and ``StrategySpec`` (a bool: on or off)."""
+    name: str
+    """In what a plan's techniques bought it, e.g. ``chunked loss: micro-batch 4 (2 without)``."""
+    token: str
+    """In ``Strategy.summary()``."""
+    cost: int
+    """Rank of its speed cost (0: none): the search tries cheaper combinations first."""
+
+
+CHUNKED_LOSS = Technique("chunked_loss", "chunked loss", "chunked-ce", cost=1)
+"""The LM head and the cross-entropy chunk by chunk, recomputed in backward: the logits never exist whole."""
+ACTIVATION_OFFLOADING = Technique("activation_offloading", "activation offloading", "act->cpu", cost=2)
+"""Checkpointed layers' saved inputs wait in pinned host memory (PCIe copies)."""
+OPTIMIZER_IN_BACKWARD = Technique("optimizer_in_backward", "optimizer step in backward", "opt-in-bwd", cost=0)
+"""Each parameter steps as its gradient is reduced (the same work moved into the backward pass)."""
+
+TECHNIQUES: tuple[Technique, ...] = (CHUNKED_LOSS, ACTIVATION_OFFLOADING, OPTIMIZER_IN_BACKWARD)
+"""In the order a summary and a description name them."""
