@@ -65,7 +65,7 @@ def wrap_fsdp2(
     # shard_model reads these fields of the trainer config, and makes its mesh (which reads a tensor's
     # values, impossible under FakeTensorMode: it gets the one made outside).
     training = SimpleNamespace(precision=Precision.BF16, master_weights=masters, method=method)
-    config = SimpleNamespace(fsdp2=fsdp2, training=training)
+    config = SimpleNamespace(engine=fsdp2, training=training)
     with mock.patch("torch.distributed.device_mesh.init_device_mesh", lambda *_, **__: mesh):
         shard_model(cast(Any, config), model, torch.device("cpu"))
 
