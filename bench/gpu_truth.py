@@ -89,7 +89,7 @@ from memfit.api.plan import PlanCandidate, PlanResult, Strategy
 from memfit.api.vocabulary import Attention, MasterWeights, Method, Offload, Optimizer, Precision
 from memfit.cli.local_machine import LocalMachine, inspect_machine, local_pool
 from memfit.contract.progress import Progress, read_progress
-from memfit.contract.trainer_config import ConfigError, load_config
+from memfit.contract.reader import ConfigError, load_config
 from memfit.units import GIB
 
 NO_GPU_LINE = "gpu_truth: no CUDA GPU on this machine; nothing measured"

@@ -60,14 +60,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memfit.api.vocabulary import Attention, Engine, Method, PlannedPrecision, Precision
-from memfit.contract.trainer_config import (
-    DataConfig,
-    Fsdp2Config,
-    MetricsConfig,
-    ModelConfig,
-    TrainerConfig,
-    TrainingConfig,
-)
+from memfit.contract.engines import DeepSpeedEngineSection, Fsdp2EngineSection
+from memfit.contract.sections import DataConfig, MetricsConfig, ModelConfig, TrainingConfig
+from memfit.contract.trainer_config import TrainerConfig
 from memfit.model_shape import ModelFamily, ModelShape
 
 if TYPE_CHECKING:
@@ -93,7 +88,7 @@ ENGINES: dict[str, tuple[str, str]] = {
     Engine.FSDP2.value: ("FSDP2", "fully_shard per layer + root, no reshard after forward, torch AdamW, no offload"),
 }
 """The choices of --engine: the name in the rows, the settings in the heading."""
-FSDP2 = Fsdp2Config(reshard_after_forward=False, cpu_offload=False, reduce_dtype=Precision.FP32)
+FSDP2 = Fsdp2EngineSection(reshard_after_forward=False, cpu_offload=False, reduce_dtype=Precision.FP32)
 """The fsdp2 side's settings (as memfit.render.fsdp2 renders ZeRO-2 without offload)."""
 
 TRAINER_EXTRAS = (
@@ -134,7 +129,6 @@ def write_corpus(path: Path, tokens: int) -> Path:
 def trainer_config(workdir: Path, steps: int, precision: PlannedPrecision, engine: Engine) -> TrainerConfig:
     """A TrainerConfig equivalent to the engine's bare loop; its only checkpoint is the final one, after the last
     step."""
-    fsdp2 = engine == Engine.FSDP2
     blocks = 2 * steps * MICRO_BATCH * WORLD_SIZE  # twice what the run reads: no epoch rollover mid-run
     return TrainerConfig(
         job="bench/trainer-vs-deepspeed",
@@ -155,9 +149,7 @@ def trainer_config(workdir: Path, steps: int, precision: PlannedPrecision, engin
             keep_checkpoints=1,
         ),
         output_dir=str(workdir / "output"),
-        engine=engine,
-        deepspeed={} if fsdp2 else deepspeed_config(precision),
-        fsdp2=FSDP2 if fsdp2 else None,
+        engine=FSDP2 if engine == Engine.FSDP2 else DeepSpeedEngineSection(config=deepspeed_config(precision)),
         metrics=MetricsConfig(port=0, progress_file=str(workdir / "progress.json")),
         termination_log=str(workdir / "termination-log"),
     )
@@ -175,12 +167,13 @@ def _deepspeed_step(config: TrainerConfig, model: Any) -> Callable[[torch.Tensor
     import deepspeed
     from torch.optim.lr_scheduler import LambdaLR
 
+    assert isinstance(config.engine, DeepSpeedEngineSection)
     params = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=params,
         lr_scheduler=lambda optimizer: LambdaLR(optimizer, lambda step: 1.0),
-        config=config.deepspeed,
+        config=config.engine.config,
     )
 
     def step(tokens: torch.Tensor) -> None:
@@ -239,7 +232,7 @@ def bare_worker(config_path: Path, out: Path) -> int:
     assert architecture is not None and training.max_steps is not None
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if config.engine == Engine.FSDP2:
+    if config.engine.kind == Engine.FSDP2:
         dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
     else:
         import deepspeed
@@ -253,7 +246,7 @@ def bare_worker(config_path: Path, out: Path) -> int:
         attn_implementation=ATTENTION[training.attention],
     )
     model.config.use_cache = False
-    step = (_fsdp2_step if config.engine == Engine.FSDP2 else _deepspeed_step)(config, model)
+    step = (_fsdp2_step if config.engine.kind == Engine.FSDP2 else _deepspeed_step)(config, model)
     generator = torch.Generator().manual_seed(training.seed + rank)
     size = (training.micro_batch_size, training.sequence_length)
     batches = [torch.randint(0, architecture.vocab_size, size, generator=generator) for _ in range(training.max_steps)]

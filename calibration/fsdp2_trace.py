@@ -38,7 +38,7 @@ from calibration.memtrace import (
     tracked_training_steps,
 )
 from memfit.api.vocabulary import Attention, MasterWeights, Method, Precision
-from memfit.contract.trainer_config import Fsdp2Config
+from memfit.contract.engines import Fsdp2EngineSection
 from memfit.model_shape import ModelShape
 
 Trainable = Literal[Method.FULL, Method.LORA]
@@ -58,14 +58,14 @@ def wrap_fsdp2(
     stays bf16) and gather bf16 copies, reducing in fp32; bf16 masters cast nothing and reduce in bf16."""
     from memfit_trainer.fsdp2_engine import shard_model
 
-    fsdp2 = Fsdp2Config(
+    fsdp2 = Fsdp2EngineSection(
         reshard_after_forward=reshard_after_forward,
         reduce_dtype=Precision.FP32 if masters == MasterWeights.FP32 else Precision.BF16,
     )
     # shard_model reads these fields of the trainer config, and makes its mesh (which reads a tensor's
     # values, impossible under FakeTensorMode: it gets the one made outside).
     training = SimpleNamespace(precision=Precision.BF16, master_weights=masters, method=method)
-    config = SimpleNamespace(fsdp2=fsdp2, training=training)
+    config = SimpleNamespace(engine=fsdp2, training=training)
     with mock.patch("torch.distributed.device_mesh.init_device_mesh", lambda *_, **__: mesh):
         shard_model(cast(Any, config), model, torch.device("cpu"))
 

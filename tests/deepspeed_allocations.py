@@ -88,7 +88,9 @@ class Case:
 
 
 def trainer_config(case: Case, scratch: Path) -> Any:
-    from memfit.contract.trainer_config import DataConfig, LoraConfig, ModelConfig, TrainerConfig, TrainingConfig
+    from memfit.contract.engines import DeepSpeedEngineSection
+    from memfit.contract.sections import DataConfig, LoraConfig, ModelConfig, TrainingConfig
+    from memfit.contract.trainer_config import TrainerConfig
     from memfit.render.deepspeed import deepspeed_config
 
     spec, strategy = case.spec(), case.strategy()
@@ -105,7 +107,7 @@ def trainer_config(case: Case, scratch: Path) -> Any:
             lora=LoraConfig(rank=8, alpha=16, dropout=0.0),
         ),
         output_dir=str(scratch / "output"),
-        deepspeed=deepspeed_config(spec, strategy),
+        engine=DeepSpeedEngineSection(config=deepspeed_config(spec, strategy)),
     )  # type: ignore[arg-type]  # fmt: skip
 
 

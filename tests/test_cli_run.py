@@ -16,7 +16,8 @@ from memfit.api.loading import load_documents
 from memfit.cli import run_command
 from memfit.cli.local_machine import CPU_PRODUCT, LocalMachine, local_pool
 from memfit.cli.main import main
-from memfit.contract.trainer_config import load_config
+from memfit.contract.engines import DeepSpeedEngineSection
+from memfit.contract.reader import load_config
 from memfit.units import GIB
 
 ROOT = Path(__file__).parent.parent
@@ -39,7 +40,7 @@ def test_dry_run_renders_the_trainer_config_for_local_directories(tiny_job: Path
     assert config.data.path == str(tiny_job.parent / "data" / "train.jsonl")
     assert config.output_dir == str(tiny_job.parent / "output" / "tiny")
     assert config.model.random_init and config.model.architecture and config.model.architecture.num_layers == 4
-    assert config.deepspeed["train_batch_size"] == 8
+    assert isinstance(config.engine, DeepSpeedEngineSection) and config.engine.config["train_batch_size"] == 8
     assert config.metrics.progress_file and config.metrics.progress_file.endswith("progress.json")
 
 

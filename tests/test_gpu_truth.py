@@ -206,7 +206,7 @@ def metrics_config(progress_file: Path) -> TrainerConfig:
                      "globalBatchSize": 8, "maxSteps": 8, "learningRate": 1e-3, "precision": "bf16",
                      "checkpointEverySteps": 8},
         "outputDir": "/output",
-        "deepspeed": {},
+        "engine": {"kind": "deepspeed", "config": {}},
         "metrics": {"port": 0, "progressFile": str(progress_file)},
     })  # fmt: skip
 

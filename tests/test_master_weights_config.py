@@ -4,7 +4,6 @@ trainer hands DeepSpeed (memfit_trainer.engine.engine_config)."""
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,9 @@ from pydantic import ValidationError
 
 from memfit.api.loading import load_documents
 from memfit.api.plan import Strategy
-from memfit.contract.trainer_config import TrainerConfig, load_config
+from memfit.contract.engines import DeepSpeedEngineSection
+from memfit.contract.reader import load_config
+from memfit.contract.trainer_config import TrainerConfig
 from memfit.planner.search import plan_job
 from memfit.render.deepspeed import deepspeed_config
 from memfit.render.trainer_config import render_trainer_config
@@ -60,22 +61,25 @@ def test_engine_config_fills_in_the_masters_section(stage: int, tmp_path: Path) 
     """A DeepSpeed section without precision gets the one the master weights need; at ZeRO-0 with bf16
     masters none (DeepSpeed would otherwise wrap the optimizer in fp32 masters)."""
     config = make_config(tmp_path, stage=stage, offload=False, master_weights="bf16")
-    deepspeed = copy.deepcopy(config.deepspeed)
-    deepspeed.pop("bf16", None)
-    config = config.model_copy(update={"deepspeed": deepspeed})
+    config = without_bf16(config)
     filled = engine_config(config, client=False)
     assert filled.get("bf16") == (None if stage == 0 else BF16_MASTERS)
     fp32 = make_config(tmp_path, stage=stage, offload=False)
-    fp32 = fp32.model_copy(update={"deepspeed": {k: v for k, v in fp32.deepspeed.items() if k != "bf16"}})
-    assert engine_config(fp32, client=False)["bf16"] == {"enabled": True}
+    assert engine_config(without_bf16(fp32), client=False)["bf16"] == {"enabled": True}
+
+
+def without_bf16(config: TrainerConfig) -> TrainerConfig:
+    assert isinstance(config.engine, DeepSpeedEngineSection)
+    deepspeed = {key: value for key, value in config.engine.config.items() if key != "bf16"}
+    return config.model_copy(update={"engine": DeepSpeedEngineSection(config=deepspeed)})
 
 
 def config_document(tmp_path: Path, stage: int, master_weights: str, bf16: dict[str, Any] | None, **training: Any):
     config = make_config(tmp_path, stage=stage, offload=False, master_weights=master_weights)
     document = config.to_api()
-    document["deepspeed"].pop("bf16", None)
+    document["engine"]["config"].pop("bf16", None)
     if bf16 is not None:
-        document["deepspeed"]["bf16"] = bf16
+        document["engine"]["config"]["bf16"] = bf16
     document["training"].update(training)
     return document
 
@@ -107,7 +111,7 @@ def test_trainer_config_accepts_the_rendered_masters(tmp_path: Path, stage: int)
 
 def test_trainer_config_refuses_an_fp16_section_with_bf16_keys(tmp_path: Path) -> None:
     document = config_document(tmp_path, 2, "fp32", None, precision="fp16")
-    document["deepspeed"]["fp16"] = {"enabled": True, "bf16_optimizer_states": True}
+    document["engine"]["config"]["fp16"] = {"enabled": True, "bf16_optimizer_states": True}
     with pytest.raises(ValidationError, match="deepspeed.fp16 cannot hold"):
         TrainerConfig.model_validate(document)
 

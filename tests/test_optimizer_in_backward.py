@@ -17,6 +17,7 @@ from memfit.api.gpupool import pool_capacity
 from memfit.api.plan import Strategy
 from memfit.api.vocabulary import Attention, Engine, Method, Offload, Optimizer, Precision
 from memfit.catalog.models import MODEL_PRESETS
+from memfit.contract.engines import Fsdp2EngineSection
 from memfit.contract.trainer_config import TrainerConfig
 from memfit.memory.activations import estimate_activations
 from memfit.memory.engines.fsdp2 import fsdp2_groups, fsdp2_step
@@ -71,13 +72,17 @@ def test_the_trainer_config_holds_the_same_rules(tmp_path: Path) -> None:
     def config(**options: Any) -> TrainerConfig:
         return make_config(tmp_path, engine="fsdp2", stage=3, offload=False, optimizer_in_backward=True, **options)
 
-    assert config(max_grad_norm=0.0).fsdp2.optimizer_in_backward  # type: ignore[union-attr]
+    assert config(max_grad_norm=0.0).engine.optimizer_in_backward  # type: ignore[union-attr]
     with pytest.raises(ValidationError, match="set training.maxGradNorm: 0"):
         config()
     with pytest.raises(ValidationError, match="needs gradient accumulation 1"):
         config(max_grad_norm=0.0, accumulation=2)
     loaded = TrainerConfig.model_validate_json(config(max_grad_norm=0.0).to_json())
-    assert loaded.training.max_grad_norm == 0 and loaded.fsdp2 is not None and loaded.fsdp2.optimizer_in_backward
+    assert (
+        loaded.training.max_grad_norm == 0
+        and isinstance(loaded.engine, Fsdp2EngineSection)
+        and loaded.engine.optimizer_in_backward
+    )
 
 
 # --- planning and rendering -----------------------------------------------------------------------------
@@ -128,7 +133,7 @@ def test_the_rendered_trainer_config_steps_in_backward_without_clipping() -> Non
     plan = plan_job(spec, [RTX_4090]).chosen
     assert plan is not None
     config = render_trainer_config(FineTuneJob.model_validate({"metadata": {"name": "j"}, "spec": spec.to_api()}), plan)
-    assert config.fsdp2 is not None and config.fsdp2.optimizer_in_backward
+    assert isinstance(config.engine, Fsdp2EngineSection) and config.engine.optimizer_in_backward
     assert config.training.max_grad_norm == 0 and config.training.gradient_accumulation_steps == 1
     assert TrainerConfig.model_validate_json(config.to_json()) == config
 

@@ -13,7 +13,8 @@ from memfit.api.finetunejob import FineTuneJob
 from memfit.api.gpupool import pool_capacity
 from memfit.api.loading import load_documents
 from memfit.api.vocabulary import Method, Precision
-from memfit.contract.trainer_config import ConfigError, TrainerConfig, load_config
+from memfit.contract.reader import ConfigError, load_config
+from memfit.contract.trainer_config import TrainerConfig
 from memfit.planner.search import plan_job
 from memfit.planner.throughput import peak_flops
 from memfit.render.trainer_config import POD_MOUNTS, Mounts, PathOutsideVolumeError, inside, render_trainer_config

@@ -25,7 +25,8 @@ from memfit.api.finetunejob import FineTuneJob
 from memfit.api.loading import InputError, describe_validation_error, load_documents
 from memfit.cli.exit_codes import ExitCode
 from memfit.cli.local_machine import inspect_machine, local_pool
-from memfit.contract.trainer_config import MetricsConfig, TrainerConfig
+from memfit.contract.sections import MetricsConfig
+from memfit.contract.trainer_config import TrainerConfig
 from memfit.planner.search import PlanningError, plan_job
 from memfit.render.trainer_config import Mounts, inside, render_trainer_config
 

@@ -1,12 +1,13 @@
 """The progress contract between the trainer and the operator.
 
-Rank 0 rewrites ``metrics.progressFile`` after every optimizer step, checkpoint and validation. The file is
-replaced atomically (a temporary file in the same directory, then ``os.replace``), so a reader sees
-either the previous complete document or the new one, never a partial one. It is not fsynced: after a
-node crash it may be a step or two stale, which is all a progress report needs. The operator reads it
-from the pod (``read_progress`` / ``parse_progress``) or scrapes the same numbers from rank 0's
-``/metrics`` (``memfit_train_step``, ``memfit_train_total_steps``, ``memfit_train_progress_ratio``,
-``memfit_train_eta_seconds``, ``memfit_validation_loss``, ``memfit_validation_step``).
+Rank 0 rewrites ``metrics.progressFile``, where the config names one (``memfit run --local`` does), after every
+optimizer step, checkpoint and validation. The file is replaced atomically (a temporary file in the same
+directory, then ``os.replace``), so a reader sees either the previous complete document or the new one, never
+a partial one. It is not fsynced: after a node crash it may be a step or two stale, which is all a progress
+report needs. Local runs read it (``read_progress`` / ``parse_progress``); in the cluster the operator asks
+for no file and scrapes the same numbers from rank 0's ``/metrics`` (``memfit_train_step``,
+``memfit_train_total_steps``, ``memfit_train_progress_ratio``, ``memfit_train_eta_seconds``,
+``memfit_validation_loss``, ``memfit_validation_step``).
 
 One JSON object, camelCase keys, every key always present (``null`` where unknown; documents written before
 the validation keys existed read as ``null`` for them)::

@@ -12,7 +12,7 @@ from memfit.api.finetunejob import FineTuneJobSpec
 from memfit.api.knobs import conflicts as knob_conflicts
 from memfit.api.plan import Strategy
 from memfit.api.vocabulary import Method, Offload, Optimizer
-from memfit.contract.trainer_config import precision_section
+from memfit.contract.engines import precision_section
 from memfit.model_shape import ModelShape
 
 NVME_PATH = "/local_nvme"

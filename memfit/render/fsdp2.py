@@ -5,10 +5,10 @@ from __future__ import annotations
 from memfit.api.knobs import conflicts as knob_conflicts
 from memfit.api.plan import Strategy
 from memfit.api.vocabulary import Engine, MasterWeights, Offload, Precision
-from memfit.contract.trainer_config import Fsdp2Config
+from memfit.contract.engines import Fsdp2EngineSection
 
 
-def fsdp2_config(strategy: Strategy) -> Fsdp2Config:
+def fsdp2_config(strategy: Strategy) -> Fsdp2EngineSection:
     """ZeRO-3 reshards each layer's parameters after its forward, ZeRO-2 keeps them gathered until the
     backward; offload is CPUOffloadPolicy; gradients are reduced in fp32 with fp32 masters, else in bf16."""
     s = strategy
@@ -17,7 +17,7 @@ def fsdp2_config(strategy: Strategy) -> Fsdp2Config:
     if conflicts:
         raise ValueError(f"strategy {s.summary()!r} cannot run as planned: " + "; ".join(conflicts))
     pure_bf16 = s.master_weights == MasterWeights.BF16 or s.precision == Precision.FP32
-    return Fsdp2Config(
+    return Fsdp2EngineSection(
         reshard_after_forward=s.zero_stage == 3,
         cpu_offload=s.offload_parameters == Offload.CPU,
         reduce_dtype=Precision.BF16 if pure_bf16 and s.precision == Precision.BF16 else Precision.FP32,

@@ -16,18 +16,19 @@ from pathlib import PurePosixPath
 from memfit.api.finetunejob import DatasetSpec, FineTuneJob, ModelSpec
 from memfit.api.plan import PlanCandidate
 from memfit.api.vocabulary import Engine
-from memfit.contract.trainer_config import (
-    MAX_PATH_LENGTH,
+from memfit.contract.engines import DeepSpeedEngineSection
+from memfit.contract.paths import MAX_PATH_LENGTH
+from memfit.contract.sections import (
     DataConfig,
     LoraConfig,
     MetricsConfig,
     ModelConfig,
     PredictionConfig,
-    TrainerConfig,
     TrainingConfig,
     ValidationConfig,
     VolumesConfig,
 )
+from memfit.contract.trainer_config import TrainerConfig
 from memfit.render.deepspeed import deepspeed_config, default_learning_rate
 from memfit.render.fsdp2 import fsdp2_config
 
@@ -153,9 +154,9 @@ def render_trainer_config(
             lora=LoraConfig.model_validate(spec.lora.model_dump()),
         ),
         output_dir=inside(mounts.output, spec.output.path),
-        engine=strategy.engine,
-        deepspeed=deepspeed_config(spec, strategy) if strategy.engine == Engine.DEEPSPEED else {},
-        fsdp2=fsdp2_config(strategy) if strategy.engine == Engine.FSDP2 else None,
+        engine=DeepSpeedEngineSection(config=deepspeed_config(spec, strategy))
+        if strategy.engine == Engine.DEEPSPEED
+        else fsdp2_config(strategy),
         prediction=PredictionConfig(
             strategy=strategy.summary(),
             peak_allocated_bytes=memory.peak_allocated_bytes,

@@ -27,15 +27,16 @@ from memfit.api.base import API_VERSION, GROUP
 from memfit.api.finetunejob import FineTuneJob
 from memfit.api.gpupool import GPU_PRODUCT_LABEL, GPUPool, pool_capacity
 from memfit.api.plan import PlanCandidate
-from memfit.api.vocabulary import Engine, Offload
-from memfit.contract.trainer_config import MetricsConfig, TrainerConfig
+from memfit.api.vocabulary import Offload
+from memfit.contract.engines import DeepSpeedEngineSection
+from memfit.contract.sections import MetricsConfig
+from memfit.contract.trainer_config import TrainerConfig
 from memfit.render.deepspeed import NVME_PATH
 from memfit.render.trainer_config import POD_MOUNTS
 
 CONFIG_DIR = "/etc/memfit"
 CONFIG_FILE = "trainer-config.json"
 DEEPSPEED_FILE = "deepspeed.json"
-PROGRESS_FILE = "/tmp/memfit/progress.json"
 TERMINATION_LOG = "/dev/termination-log"
 RENDEZVOUS_PORT = 29500
 METRICS_PORT = 9400
@@ -50,7 +51,7 @@ CACHE_DIR = "/var/cache/memfit"
 TORCH_EXTENSIONS_DIR = "/var/cache/torch_extensions"
 """DeepSpeed's JIT-compiled ops (the trainer image ships them prebuilt; an op it lacks is built here)."""
 TMP_BYTES = 4 * GIB
-"""/tmp: torchrun's error files, the progress file, small temporary files."""
+"""/tmp: torchrun's error files, small temporary files."""
 TORCH_EXTENSIONS_BYTES = 2 * GIB
 DEFAULT_CACHE_BYTES = 50 * GIB
 """Room for the Hugging Face datasets cache (Arrow files of the dataset) and the other caches, besides the
@@ -214,11 +215,11 @@ def master_address(job: FineTuneJob) -> str:
 
 
 def pod_trainer_config(trainer_config: TrainerConfig) -> TrainerConfig:
-    """The trainer config as the pods see it: metrics on the fixed port, progress and termination
-    message where the pod template puts them."""
+    """The trainer config as the pods see it: metrics on the fixed port (the operator reads progress from there,
+    so no progress file), the termination message where the pod template puts it."""
     return trainer_config.model_copy(
         update={
-            "metrics": MetricsConfig(port=METRICS_PORT, progress_file=PROGRESS_FILE),
+            "metrics": MetricsConfig(port=METRICS_PORT),
             "termination_log": TERMINATION_LOG,
         }
     )
@@ -229,8 +230,8 @@ def config_map(job: FineTuneJob, trainer_config: TrainerConfig, attempt: int) ->
     engine has none."""
     config = pod_trainer_config(trainer_config)
     data = {CONFIG_FILE: config.to_json()}
-    if config.engine == Engine.DEEPSPEED:
-        data[DEEPSPEED_FILE] = json.dumps(config.deepspeed, indent=2) + "\n"
+    if isinstance(config.engine, DeepSpeedEngineSection):
+        data[DEEPSPEED_FILE] = json.dumps(config.engine.config, indent=2) + "\n"
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",

@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from memfit.api.finetunejob import FineTuneJob
 from memfit.api.loading import load_documents
 from memfit.api.vocabulary import MANAGED_BY, MANAGED_BY_LABEL
+from memfit.contract.engines import DeepSpeedEngineSection
 from memfit.planner.search import plan_job
 from memfit.render.trainer_config import render_trainer_config
 from memfit_operator import objects as operator_objects
@@ -219,7 +220,8 @@ def test_a_new_job_is_planned_and_launched(api: client.ApiClient, operator: Oper
     assert len(policy.spec.ingress) == 2 and policy.spec.ingress[1].ports[0].port == 9400
     config_map = core.read_namespaced_config_map("launch-a1", NAMESPACE)
     rendered = render_trainer_config(FineTuneJob.model_validate(created), plan)
-    assert json.loads(config_map.data["deepspeed.json"]) == rendered.deepspeed
+    assert isinstance(rendered.engine, DeepSpeedEngineSection)
+    assert json.loads(config_map.data["deepspeed.json"]) == rendered.engine.config
     assert wait_for("Planned and Launching events",
                     lambda: has_event(api, "launch", "Planned") and has_event(api, "launch", "Launching"))  # fmt: skip
 

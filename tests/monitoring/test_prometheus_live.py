@@ -41,7 +41,8 @@ import torch
 from kubernetes import client, config
 
 from memfit.contract.progress import read_progress
-from memfit.contract.trainer_config import MetricsConfig, PredictionConfig, TrainerConfig, ValidationConfig
+from memfit.contract.sections import MetricsConfig, PredictionConfig, ValidationConfig
+from memfit.contract.trainer_config import TrainerConfig
 from memfit_trainer.metrics import TrainerMetrics
 from tests.chart.render import ROOT, rule_groups
 from tests.k8s.apiserver import running_apiserver

@@ -12,6 +12,7 @@ import yaml
 
 from memfit.api.finetunejob import FineTuneJob
 from memfit.api.loading import load_documents
+from memfit.contract.engines import DeepSpeedEngineSection
 from memfit.memory.activations import estimate_activations
 from memfit.memory.estimate import LoraSettings, activation_setup, peak_memory, static_memory
 from memfit.memory.setup import StaticSetup
@@ -68,11 +69,13 @@ def test_configmap_holds_exactly_the_rendered_configs(job, engine: str) -> None:
     rendered = render_trainer_config(job, plan)
     data = objects.config_map(job, rendered, 1)["data"]
     config = json.loads(data[objects.CONFIG_FILE])
-    if rendered.engine == "deepspeed":
-        assert config["deepspeed"] == json.loads(data[objects.DEEPSPEED_FILE]) == rendered.deepspeed
+    assert config["engine"]["kind"] == engine
+    if isinstance(rendered.engine, DeepSpeedEngineSection):
+        assert config["engine"]["config"] == json.loads(data[objects.DEEPSPEED_FILE]) == rendered.engine.config
     else:  # the fsdp2 engine has no DeepSpeed JSON
-        assert objects.DEEPSPEED_FILE not in data and config["deepspeed"] == {} and config["fsdp2"]
-    assert config["metrics"] == {"port": objects.METRICS_PORT, "progressFile": objects.PROGRESS_FILE}
+        assert objects.DEEPSPEED_FILE not in data and "config" not in config["engine"]
+        assert "reshardAfterForward" in config["engine"]  # its settings
+    assert config["metrics"] == {"port": objects.METRICS_PORT}  # no progress file: the operator scrapes /metrics
     assert config["terminationLog"] == "/dev/termination-log"
     assert "secret" not in json.dumps(config).lower()  # the token reaches the pod through the env only
     assert config["model"]["tokenEnv"] == "HF_TOKEN"
@@ -279,7 +282,7 @@ def test_every_place_the_trainer_writes_is_a_bounded_volume(job, source: str) ->
     caches = ("TMPDIR", "HOME", "XDG_CACHE_HOME", "HF_HOME", "TRITON_CACHE_DIR", "CUDA_CACHE_PATH",
               "TORCH_EXTENSIONS_DIR", "TORCHINDUCTOR_CACHE_DIR")  # fmt: skip
     written = [env[name] for name in caches]
-    written += ["/tmp", objects.PROGRESS_FILE, "/dev/shm", "/mnt/output/llama-chat", "/local_nvme"]
+    written += ["/tmp", "/dev/shm", "/mnt/output/llama-chat", "/local_nvme"]
     for path in written:
         assert writable(pod, path) is not None, f"{path} is not on a writable volume"
     for volume in pod["spec"]["volumes"]:

@@ -120,9 +120,15 @@ def constant(content: bytes) -> Maker:
     return lambda _document, _directory: content
 
 
+def fsdp2(**values: Any) -> Maker:
+    """The fsdp2 engine with the given settings, and the other dotted paths (``__`` for the dots) set."""
+    engine = {"kind": "fsdp2", **{key: value for key, value in values.items() if "__" not in key}}
+    return settings(engine=engine, **{key: value for key, value in values.items() if "__" in key})
+
+
 def deepspeed_zero(**zero: Any) -> Maker:
     def make(document: Document, _: Path) -> bytes:
-        document["deepspeed"]["zero_optimization"].update(zero)
+        document["engine"]["config"]["zero_optimization"].update(zero)
         return encode(document)
 
     return make
@@ -155,7 +161,7 @@ def nested_inside(document: Document, _: Path) -> bytes:
     value: Any = 1
     for _level in range(40):
         value = {"x": value}
-    document["deepspeed"]["zero_optimization"]["deep"] = value
+    document["engine"]["config"]["zero_optimization"]["deep"] = value
     return encode(document)
 
 
@@ -166,31 +172,31 @@ def duplicate_key(document: Document, _: Path) -> bytes:
 
 def qlora_zero3(document: Document, _: Path) -> bytes:
     document["training"]["method"] = "qlora"
-    document["deepspeed"]["zero_optimization"] = {"stage": 3}
+    document["engine"]["config"]["zero_optimization"] = {"stage": 3}
     return encode(document)
 
 
 def chunked_loss_zero3(document: Document, _: Path) -> bytes:
     document["training"]["chunkedLoss"] = True
-    document["deepspeed"]["zero_optimization"] = {"stage": 3}
+    document["engine"]["config"]["zero_optimization"] = {"stage": 3}
     return encode(document)
 
 
 def eight_bit_offloaded(document: Document, _: Path) -> bytes:
     document["training"]["optimizer"] = "adamw8bit"
-    document["deepspeed"].pop("optimizer")
-    document["deepspeed"]["zero_optimization"].update(stage=2, offload_optimizer={"device": "cpu"})
+    document["engine"]["config"].pop("optimizer")
+    document["engine"]["config"]["zero_optimization"].update(stage=2, offload_optimizer={"device": "cpu"})
     return encode(document)
 
 
 def both_precisions(document: Document, _: Path) -> bytes:
-    document["deepspeed"]["fp16"] = {"enabled": True}
+    document["engine"]["config"]["fp16"] = {"enabled": True}
     return encode(document)
 
 
 def other_precision(document: Document, _: Path) -> bytes:
-    document["deepspeed"].pop("bf16")
-    document["deepspeed"]["fp16"] = {"enabled": True, "loss_scale": 0}
+    document["engine"]["config"].pop("bf16")
+    document["engine"]["config"]["fp16"] = {"enabled": True, "loss_scale": 0}
     return encode(document)
 
 
@@ -255,8 +261,8 @@ HOSTILE: tuple[Hostile, ...] = (
     Hostile("future-version", setting("version", 2), "version"),
     Hostile("number-for-string", setting("job", 42), "job"),
     Hostile("number-for-path", setting("data.path", 7), "data.path"),
-    Hostile("string-for-section", setting("deepspeed", "zero2"), "deepspeed"),
-    Hostile("list-for-section", setting("deepspeed", []), "deepspeed"),
+    Hostile("string-for-section", setting("engine.config", "zero2"), "deepspeed"),
+    Hostile("list-for-section", setting("engine.config", []), "deepspeed"),
     Hostile("null-section", setting("training", None), "training"),
     Hostile("string-architecture-size", setting("model.architecture.numLayers", "4"), "architecture.numLayers"),
     Hostile("string-for-list", setting("training.lora.targetModules", "all-linear"), "targetModules"),
@@ -275,7 +281,7 @@ HOSTILE: tuple[Hostile, ...] = (
     Hostile("infinite-learning-rate", raw_number("training.learningRate", "1e999"), "out of range"),
     Hostile("nan-learning-rate", raw_number("training.learningRate", "NaN"), "NaN"),
     Hostile("infinity-warmup", raw_number("training.warmupRatio", "Infinity"), "Infinity"),
-    Hostile("minus-infinity-clipping", raw_number("deepspeed.gradient_clipping", "-Infinity"), "Infinity"),
+    Hostile("minus-infinity-clipping", raw_number("engine.config.gradient_clipping", "-Infinity"), "Infinity"),
     Hostile("whole-warmup", setting("training.warmupRatio", 1.0), "training.warmupRatio"),
     Hostile("zero-grad-norm", setting("training.maxGradNorm", 0), "training.maxGradNorm"),
     Hostile("negative-seed", setting("training.seed", -1), "training.seed"),
@@ -296,11 +302,11 @@ HOSTILE: tuple[Hostile, ...] = (
     # --- unknown keys, missing sections
     Hostile("unknown-top-level-key", setting("extra", 1), "extra"),
     Hostile("misspelt-training-key", setting("training.microbatchSize", 4), "microbatchSize"),
-    Hostile("misspelt-deepspeed-key", setting("deepspeed.zero_optimisation", {"stage": 2}), "zero_optimisation"),
+    Hostile("misspelt-deepspeed-key", setting("engine.config.zero_optimisation", {"stage": 2}), "zero_optimisation"),
     Hostile("unknown-zero-key", deepspeed_zero(stage3_typo=1), "stage3_typo"),
     Hostile("missing-model", dropping("model"), "model"),
     Hostile("missing-training", dropping("training"), "training"),
-    Hostile("missing-deepspeed", dropping("deepspeed"), "deepspeed"),
+    Hostile("missing-deepspeed", dropping("engine.config"), "deepspeed"),
     Hostile("missing-output-dir", dropping("outputDir"), "outputDir"),
     Hostile("missing-data-path", dropping("data.path"), "data.path"),
     Hostile("neither-epochs-nor-steps", no_length, "epochs"),
@@ -310,30 +316,30 @@ HOSTILE: tuple[Hostile, ...] = (
     Hostile("global-batch-not-a-multiple", setting("training.globalBatchSize", 6), "globalBatchSize"),
     Hostile(
         "deepspeed-micro-batch-differs",
-        doubled("deepspeed.train_micro_batch_size_per_gpu"),
+        doubled("engine.config.train_micro_batch_size_per_gpu"),
         "train_micro_batch_size_per_gpu",
     ),  # fmt: skip
     Hostile(
         "deepspeed-accumulation-differs",
-        doubled("deepspeed.gradient_accumulation_steps"),
+        doubled("engine.config.gradient_accumulation_steps"),
         "gradient_accumulation_steps",
     ),  # fmt: skip
-    Hostile("deepspeed-global-batch-differs", doubled("deepspeed.train_batch_size"), "train_batch_size"),
+    Hostile("deepspeed-global-batch-differs", doubled("engine.config.train_batch_size"), "train_batch_size"),
     Hostile(
         "deepspeed-micro-batch-as-float",
-        setting("deepspeed.train_micro_batch_size_per_gpu", 8.0),
+        setting("engine.config.train_micro_batch_size_per_gpu", 8.0),
         "train_micro_batch_size_per_gpu",
     ),  # fmt: skip
     Hostile(
         "deepspeed-micro-batch-as-bool",
-        setting("deepspeed.gradient_accumulation_steps", True),
+        setting("engine.config.gradient_accumulation_steps", True),
         "gradient_accumulation_steps",
     ),  # fmt: skip
     # --- a DeepSpeed section contradicting the training section
     Hostile("zero-stage-4", deepspeed_zero(stage=4), "stage"),
     Hostile("zero-stage-negative", deepspeed_zero(stage=-1), "stage"),
     Hostile("zero-stage-string", deepspeed_zero(stage="2"), "stage"),
-    Hostile("zero-section-a-list", setting("deepspeed.zero_optimization", [2]), "zero_optimization"),
+    Hostile("zero-section-a-list", setting("engine.config.zero_optimization", [2]), "zero_optimization"),
     Hostile(
         "optimizer-offload-without-zero",
         deepspeed_zero(stage=0, offload_optimizer={"device": "cpu"}),
@@ -354,13 +360,13 @@ HOSTILE: tuple[Hostile, ...] = (
     Hostile("fp16-and-bf16", both_precisions, "both enabled"),
     Hostile("fp16-for-bf16-training", other_precision, "training.precision"),
     Hostile("bf16-for-fp32-training", setting("training.precision", "fp32"), "training.precision"),
-    Hostile("precision-section-not-an-object", setting("deepspeed.bf16", True), "bf16"),
-    Hostile("precision-enabled-as-string", setting("deepspeed.bf16", {"enabled": "true"}), "bf16.enabled"),
-    Hostile("unknown-deepspeed-optimizer", setting("deepspeed.optimizer.type", "SGD"), "SGD"),
-    Hostile("deepspeed-learning-rate-differs", setting("deepspeed.optimizer.params.lr", 0.5), "params.lr"),
+    Hostile("precision-section-not-an-object", setting("engine.config.bf16", True), "bf16"),
+    Hostile("precision-enabled-as-string", setting("engine.config.bf16", {"enabled": "true"}), "bf16.enabled"),
+    Hostile("unknown-deepspeed-optimizer", setting("engine.config.optimizer.type", "SGD"), "SGD"),
+    Hostile("deepspeed-learning-rate-differs", setting("engine.config.optimizer.params.lr", 0.5), "params.lr"),
     Hostile("deepspeed-optimizer-for-client-optimizer", client_and_deepspeed_optimizer, "deepspeed.optimizer"),
-    Hostile("clipping-differs", setting("deepspeed.gradient_clipping", 5.0), "gradient_clipping"),
-    Hostile("betas-not-a-pair", setting("deepspeed.optimizer.params.betas", [0.9]), "betas"),
+    Hostile("clipping-differs", setting("engine.config.gradient_clipping", 5.0), "gradient_clipping"),
+    Hostile("betas-not-a-pair", setting("engine.config.optimizer.params.betas", [0.9]), "betas"),
     Hostile("qlora-under-zero3", qlora_zero3, "qlora"),
     Hostile("chunked-loss-under-zero3", chunked_loss_zero3, "chunkedLoss"),
     Hostile("chunked-loss-as-string", setting("training.chunkedLoss", "true"), "chunkedLoss"),
@@ -375,8 +381,8 @@ HOSTILE: tuple[Hostile, ...] = (
         settings(
             training__method="qlora",
             training__precision="fp16",
-            deepspeed__bf16=DROP,
-            deepspeed__fp16={"enabled": True},
+            engine__config__bf16=DROP,
+            engine__config__fp16={"enabled": True},
         ),
         "qlora computes in bf16",
     ),
@@ -398,25 +404,20 @@ HOSTILE: tuple[Hostile, ...] = (
     Hostile("token-env-not-a-name", setting("model.tokenEnv", "HF TOKEN"), "model.tokenEnv"),
     Hostile("all-linear-and-more", setting("training.lora.targetModules", ["all-linear", "q_proj"]), "all-linear"),
     Hostile("job-without-namespace", setting("job", "tiny"), "job"),
-    # --- the fsdp2 engine
-    Hostile("fsdp2-with-a-deepspeed-section", settings(engine="fsdp2", fsdp2={}), "takes no deepspeed section"),
-    Hostile("fsdp2-without-its-settings", settings(engine="fsdp2", deepspeed={}), "needs its fsdp2 settings"),
-    Hostile("fsdp2-settings-on-deepspeed", setting("fsdp2", {}), "engine is deepspeed"),
-    Hostile("unknown-engine", settings(engine="fsdp", deepspeed={}, fsdp2={}), "engine"),
+    # --- the engine section: DeepSpeed or fsdp2, by its kind
+    Hostile("fsdp2-with-a-deepspeed-section", setting("engine.kind", "fsdp2"), "engine.fsdp2.config"),
+    Hostile("engine-without-its-kind", dropping("engine.kind"), "kind"),
+    Hostile("engine-as-a-name", setting("engine", "deepspeed"), "engine"),
     Hostile(
-        "fsdp2-reshard-as-a-string",
-        settings(engine="fsdp2", deepspeed={}, fsdp2={"reshardAfterForward": "true"}),
-        "reshardAfterForward",
-    ),  # fmt: skip
-    Hostile("fsdp2-unknown-key", settings(engine="fsdp2", deepspeed={}, fsdp2={"shardDegree": 2}), "shardDegree"),
-    Hostile("fsdp2-fp16-reduce", settings(engine="fsdp2", deepspeed={}, fsdp2={"reduceDtype": "fp16"}), "reduceDtype"),
-    Hostile(
-        "fsdp2-8bit-optimizer",
-        settings(engine="fsdp2", deepspeed={}, fsdp2={}, training__optimizer="adamw8bit"),
-        "deepspeed engine",
-    ),  # fmt: skip
-    Hostile("fsdp2-fp16", settings(engine="fsdp2", deepspeed={}, fsdp2={}, training__precision="fp16"), "loss scaling"),
-    Hostile("fsdp2-lion", settings(engine="fsdp2", deepspeed={}, fsdp2={}, training__optimizer="lion"), "lion"),
+        "fsdp2-settings-on-deepspeed", setting("engine.reshardAfterForward", True), "deepspeed.reshardAfterForward"
+    ),
+    Hostile("unknown-engine", setting("engine", {"kind": "fsdp"}), "engine"),
+    Hostile("fsdp2-reshard-as-a-string", fsdp2(reshardAfterForward="true"), "reshardAfterForward"),
+    Hostile("fsdp2-unknown-key", fsdp2(shardDegree=2), "shardDegree"),
+    Hostile("fsdp2-fp16-reduce", fsdp2(reduceDtype="fp16"), "reduceDtype"),
+    Hostile("fsdp2-8bit-optimizer", fsdp2(training__optimizer="adamw8bit"), "deepspeed engine"),
+    Hostile("fsdp2-fp16", fsdp2(training__precision="fp16"), "loss scaling"),
+    Hostile("fsdp2-lion", fsdp2(training__optimizer="lion"), "lion"),
     # --- files that are not a config
     Hostile("not-utf8", constant(b'{"version": 1, "job": "default/t\xff\xfeny"}'), "not UTF-8"),
     Hostile("utf8-bom", lambda d, _: b"\xef\xbb\xbf" + encode(d), "not valid JSON"),

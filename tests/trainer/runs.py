@@ -16,16 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from memfit.api.vocabulary import MasterWeights, Precision
-from memfit.contract.trainer_config import (
-    DataConfig,
-    Fsdp2Config,
-    LoraConfig,
-    MetricsConfig,
-    ModelConfig,
-    TrainerConfig,
-    TrainingConfig,
-    precision_section,
-)
+from memfit.contract.engines import DeepSpeedEngineSection, Fsdp2EngineSection, precision_section
+from memfit.contract.sections import DataConfig, LoraConfig, MetricsConfig, ModelConfig, TrainingConfig
+from memfit.contract.trainer_config import TrainerConfig
 from memfit.model_shape import ModelFamily, ModelShape
 
 WORLD_SIZE = 2
@@ -101,15 +94,14 @@ def make_config(
     max_grad_norm: float = 1.0,
     micro_batch: int = MICRO_BATCH,
 ) -> TrainerConfig:
-    """A config of the tiny llama. ``engine="fsdp2"`` renders ``fsdp2`` settings instead of a DeepSpeed section:
+    """A config of the tiny llama. ``engine="fsdp2"`` renders an fsdp2 engine section instead of a DeepSpeed one:
     resharded after the forward pass as ``stage`` 3 is (or as ``reshard_after_forward`` says), CPU offload
     with ``offload``, gradients reduced in bf16 with bf16 masters (as memfit.render.fsdp2 renders them).
     ``micro_batch`` other than MICRO_BATCH is for fsdp2 only (the DeepSpeed section renders MICRO_BATCH)."""
     data = data or write_corpus(tmp_path / "corpus.jsonl")
-    fsdp2 = None
-    deepspeed: dict[str, Any] = {}
+    section: DeepSpeedEngineSection | Fsdp2EngineSection
     if engine == "fsdp2":
-        fsdp2 = Fsdp2Config(
+        section = Fsdp2EngineSection(
             reshard_after_forward=stage == 3 if reshard_after_forward is None else reshard_after_forward,
             cpu_offload=offload,
             reduce_dtype=Precision.BF16 if master_weights == "bf16" else Precision.FP32,
@@ -118,6 +110,7 @@ def make_config(
     else:
         deepspeed = deepspeed_config(stage, offload=offload, optimizer=optimizer, learning_rate=learning_rate,
                                      world_size=world_size, master_weights=master_weights)  # fmt: skip
+        section = DeepSpeedEngineSection(config=deepspeed)
     return TrainerConfig(
         job=f"test/{name}",
         model=ModelConfig(name_or_path="tiny-llama", random_init=True, architecture=TINY_LLAMA),
@@ -143,9 +136,7 @@ def make_config(
             max_grad_norm=max_grad_norm,
         ),
         output_dir=str(tmp_path / name / "output"),
-        engine=engine,
-        deepspeed=deepspeed,
-        fsdp2=fsdp2,
+        engine=section,
         metrics=MetricsConfig(port=0, progress_file=str(tmp_path / name / "progress.json")),
         termination_log=str(tmp_path / name / "termination-log"),
     )

@@ -153,7 +153,7 @@ def test_remove_gives_the_layers_their_checkpoint_function_back() -> None:
 def test_a_model_without_checkpointed_layers_is_refused() -> None:
     from transformers import AutoModelForCausalLM
 
-    from memfit.contract.trainer_config import ConfigError
+    from memfit.contract.reader import ConfigError
 
     model = AutoModelForCausalLM.from_config(transformers_config(TINY["llama"], use_cache=False))
     with pytest.raises(ConfigError, match="activationOffloading"):

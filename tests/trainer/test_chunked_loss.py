@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from memfit.contract.trainer_config import TrainingConfig
+from memfit.contract.sections import TrainingConfig
 from memfit.model_shape import ModelFamily, ModelShape
 from memfit_trainer.chunked_loss import (
     PYTORCH,
@@ -137,6 +137,6 @@ def test_the_config_refuses_the_chunked_loss_under_zero3(tmp_path) -> None:
     config["training"]["chunkedLoss"] = True
     with pytest.raises(ValueError, match="chunkedLoss"):
         type(make_config(tmp_path)).model_validate(config)
-    config["deepspeed"]["zero_optimization"]["stage"] = 2
+    config["engine"]["config"]["zero_optimization"]["stage"] = 2
     assert type(make_config(tmp_path)).model_validate(config).training.chunked_loss
     assert TrainingConfig.model_fields["chunked_loss"].default is False

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from memfit.contract.trainer_config import ConfigError
+from memfit.contract.engines import DeepSpeedEngineSection
+from memfit.contract.reader import ConfigError
 from memfit_trainer.console import ConsoleProgress, format_duration
 from memfit_trainer.engine import engine_config, total_optimizer_steps, warmup_cosine
 from tests.trainer.runs import make_config
@@ -41,7 +42,8 @@ def test_client_optimizer_flags(tmp_path: Path) -> None:
     flags = engine_config(config, client=True)
     assert flags["zero_allow_untested_optimizer"] is True
     assert flags["zero_force_ds_cpu_optimizer"] is False
-    assert "zero_force_ds_cpu_optimizer" not in config.deepspeed  # the config itself is not modified
+    assert isinstance(config.engine, DeepSpeedEngineSection)
+    assert "zero_force_ds_cpu_optimizer" not in config.engine.config  # the config itself is not modified
     assert "zero_force_ds_cpu_optimizer" not in engine_config(make_config(tmp_path, offload=True), client=False)
 
 

@@ -14,7 +14,7 @@ import pytest
 
 import memfit_trainer.main as trainer_main
 from memfit.api.vocabulary import TerminationReason
-from memfit.contract.trainer_config import load_config
+from memfit.contract.reader import load_config
 from tests.trainer.hostile_configs import HOSTILE, Document, Hostile, materialise, valid_document
 from tests.trainer.runs import trainer_env
 

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from memfit.api.vocabulary import Attention, TerminationReason
-from memfit.contract.trainer_config import ConfigError, VolumesConfig
+from memfit.contract.engines import DeepSpeedEngineSection
+from memfit.contract.reader import ConfigError
+from memfit.contract.sections import VolumesConfig
 from memfit_trainer.engine import engine_config
 from memfit_trainer.oom import EXIT_CODE_OOM
 from memfit_trainer.preflight import check
@@ -20,7 +22,7 @@ PLANNED_PEAK = 123_456_789
 
 
 def with_prediction(config):
-    from memfit.contract.trainer_config import PredictionConfig
+    from memfit.contract.sections import PredictionConfig
 
     prediction = PredictionConfig(
         strategy="test", peak_allocated_bytes=PLANNED_PEAK, total_bytes=2 * PLANNED_PEAK,
@@ -59,12 +61,13 @@ def test_unreadable_config_fails_fast_with_one_line(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_config_this_machine_cannot_run_fails_before_any_work(tmp_path: Path) -> None:
     config = make_config(tmp_path, stage=3)  # planned for 2 ranks, started as 1; NVMe parameters need ZeRO-3
-    deepspeed = {**config.deepspeed}
+    assert isinstance(config.engine, DeepSpeedEngineSection)
+    deepspeed = {**config.engine.config}
     deepspeed["zero_optimization"] = {
         **deepspeed["zero_optimization"], "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "absent")}
     }  # fmt: skip
     training = config.training.model_copy(update={"attention": Attention.FLASH})
-    config = config.model_copy(update={"deepspeed": deepspeed, "training": training})
+    config = config.model_copy(update={"engine": DeepSpeedEngineSection(config=deepspeed), "training": training})
     result = run_single_process(write_config(config, tmp_path / "config.json"), timeout=120)
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()
@@ -104,13 +107,14 @@ def test_preflight_creates_nothing_outside_the_output_volume(tmp_path: Path) -> 
 
 def test_engine_config_fills_what_the_deepspeed_section_leaves_out(tmp_path: Path) -> None:
     config = make_config(tmp_path)
-    bare = config.model_copy(update={"deepspeed": {"zero_optimization": {"stage": 2}}})
+    bare = config.model_copy(update={"engine": DeepSpeedEngineSection(config={"zero_optimization": {"stage": 2}})})
     filled = engine_config(bare, client=False)
     assert filled["train_micro_batch_size_per_gpu"] == config.training.micro_batch_size
     assert filled["gradient_accumulation_steps"] == config.training.gradient_accumulation_steps
     assert filled["train_batch_size"] == config.training.global_batch_size
     assert filled["bf16"] == {"enabled": True} and "fp16" not in filled
-    assert engine_config(config, client=False)["bf16"] == config.deepspeed["bf16"]  # what is given is kept
+    assert isinstance(config.engine, DeepSpeedEngineSection)
+    assert engine_config(config, client=False)["bf16"] == config.engine.config["bf16"]  # what is given is kept
 
 
 def test_preflight_rejects_streaming_without_max_steps(tmp_path: Path) -> None:

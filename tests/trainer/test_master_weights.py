@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from memfit.contract.engines import DeepSpeedEngineSection
 from tests.trainer.runs import logged_losses, make_config, write_config
 from tests.trainer.test_training import RESUME_EVERY, assert_learned, kill_after_first_checkpoint_and_resume, train_ok
 
@@ -31,7 +32,8 @@ def test_bf16_masters_learn_and_resume_from_their_checkpoint(tmp_path: Path, sta
     assert {t.dtype for t in weights.values()} == {torch.bfloat16}
 
     config = make_config(tmp_path / "killed", **options)
-    assert (stage == 0) == ("bf16" not in config.deepspeed)  # ZeRO-0: no mixed precision, the weights step
+    assert isinstance(config.engine, DeepSpeedEngineSection)
+    assert (stage == 0) == ("bf16" not in config.engine.config)  # ZeRO-0: no mixed precision, the weights step
     resumed = kill_after_first_checkpoint_and_resume(
         write_config(config, tmp_path / "killed" / "config.json"), config.checkpoint_dir, tmp_path
     )

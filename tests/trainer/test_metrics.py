@@ -44,7 +44,7 @@ def trainer_config(progress_file: Path | None, *, peak_flops: float | None = Non
             "checkpointEverySteps": 5,
         },
         "outputDir": "/mnt/output",
-        "deepspeed": {},
+        "engine": {"kind": "deepspeed", "config": {}},
         "prediction": {
             "strategy": "ZeRO-2, bf16, 2 GPUs", "peakAllocatedBytes": 61_000_000_000, "totalBytes": 68_500_000_000,
             "gpuMemoryBytes": 85_520_809_984, "tokensPerSecond": 7200.0, "peakFlops": peak_flops,

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from memfit.contract.progress import read_progress
-from memfit.contract.trainer_config import MetricsConfig
+from memfit.contract.sections import MetricsConfig
 from memfit_trainer.loop import HOLD_ENV
 from tests.trainer.runs import make_config, torchrun_command, trainer_env, write_config
 

@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 from datasets import Dataset
 
-from memfit.contract.trainer_config import ConfigError, TrainerConfig, ValidationConfig, VolumesConfig
+from memfit.contract.reader import ConfigError
+from memfit.contract.sections import ValidationConfig, VolumesConfig
+from memfit.contract.trainer_config import TrainerConfig
 from memfit_trainer.blocks import IGNORE_INDEX
 from memfit_trainer.chunked_loss import shift_labels
 from memfit_trainer.data import DataError, DatasetTooSmallError, DataSource, load_records

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from memfit.contract.trainer_config import ConfigError
+from memfit.contract.reader import ConfigError
 
 CHECKPOINT_FUNCTION = "_gradient_checkpointing_func"
 """The attribute through which a ``GradientCheckpointingLayer`` calls ``torch.utils.checkpoint``."""

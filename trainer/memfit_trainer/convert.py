@@ -30,6 +30,7 @@ from typing import Any, cast
 
 import torch
 
+from memfit.contract.engines import DeepSpeedEngineSection
 from memfit.contract.layout import CheckpointLayout
 from memfit.contract.trainer_config import TrainerConfig
 from memfit_trainer.checkpoint import TEMP_SUFFIX, Checkpoint, CheckpointManager, step_name
@@ -164,8 +165,8 @@ def write_universal(source: Checkpoint, tag: str, scratch: Path, partitioned_wei
 
 def universal_loading(config: TrainerConfig) -> TrainerConfig:
     """``config`` with DeepSpeed told to load universal checkpoints (read when the engine is built)."""
-    deepspeed = {**config.deepspeed, "checkpoint": {**config.deepspeed.get("checkpoint", {}), "load_universal": True}}
-    return config.model_copy(update={"deepspeed": deepspeed})
+    assert isinstance(config.engine, DeepSpeedEngineSection)
+    return config.model_copy(update={"engine": config.engine.loading_universal()})
 
 
 def _read(zero: Path, name: str, state: str) -> Any:

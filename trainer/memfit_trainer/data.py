@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from memfit.api.vocabulary import DatasetFormat, TrainOn
-from memfit.contract.trainer_config import DataConfig
+from memfit.contract.sections import DataConfig
 from memfit_trainer.blocks import (
     DOCUMENT,
     IDS,

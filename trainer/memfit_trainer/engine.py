@@ -1,6 +1,6 @@
 """The DeepSpeed engine: optimizer, learning-rate schedule and the run's length in optimizer steps.
 
-AdamW and Lion are built by DeepSpeed from ``config.deepspeed`` (fused kernels on GPU, DeepSpeedCPUAdam under
+AdamW and Lion are built by DeepSpeed from its section's ``config`` (fused kernels on GPU, DeepSpeedCPUAdam under
 optimizer offload). The others are built here and handed over as client optimizers, which DeepSpeed only
 accepts with ``zero_allow_untested_optimizer`` and, under optimizer offload, ``zero_force_ds_cpu_optimizer:
 false`` (otherwise it refuses anything but its own CPU Adam). The schedule is linear warmup over
@@ -23,12 +23,10 @@ from typing import Any
 import torch
 
 from memfit.api.vocabulary import EIGHT_BIT_OPTIMIZERS, Engine, Offload, Optimizer
-from memfit.contract.trainer_config import (
-    ConfigError,
-    TrainerConfig,
-    TrainingConfig,
-    precision_section,
-)
+from memfit.contract.engines import DeepSpeedEngineSection, precision_section
+from memfit.contract.reader import ConfigError
+from memfit.contract.sections import TrainingConfig
+from memfit.contract.trainer_config import TrainerConfig
 
 
 def total_optimizer_steps(training: TrainingConfig, micro_batches_per_epoch: int | None) -> int:
@@ -84,24 +82,26 @@ def client_optimizer(training: TrainingConfig, params: Iterable[torch.nn.Paramet
 
 
 def engine_config(config: TrainerConfig, client: bool) -> dict[str, Any]:
-    """``config.deepspeed`` plus what this run needs: the flags a client optimizer requires, and what the
+    """The DeepSpeed section's config plus what this run needs: the flags a client optimizer requires, and what the
     training section decides where the DeepSpeed section leaves it out (batch sizes, clipping, precision and
     master weights, as ``memfit.render.deepspeed`` renders them; where it gives them, the config's validation
     made sure they agree)."""
     training = config.training
-    ds = copy.deepcopy(config.deepspeed)
+    deepspeed = config.engine
+    assert isinstance(deepspeed, DeepSpeedEngineSection)
+    ds = copy.deepcopy(deepspeed.config)
     ds.setdefault("train_micro_batch_size_per_gpu", training.micro_batch_size)
     ds.setdefault("gradient_accumulation_steps", training.gradient_accumulation_steps)
     ds.setdefault("train_batch_size", training.global_batch_size)
     ds.setdefault("gradient_clipping", training.max_grad_norm)
-    if "bf16" not in ds and "fp16" not in ds:
+    if not deepspeed.names_precision:
         # With bf16 masters at ZeRO-0 there is none on purpose: the optimizer updates the bf16 weights themselves.
-        section = precision_section(training.precision, training.master_weights, config.zero_stage)
+        section = precision_section(training.precision, training.master_weights, deepspeed.zero_stage)
         if section is not None:
             ds[str(training.precision)] = section
     if client:
         ds["zero_allow_untested_optimizer"] = True
-        if ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", Offload.NONE) != Offload.NONE:
+        if deepspeed.offload_optimizer != Offload.NONE:
             ds["zero_force_ds_cpu_optimizer"] = False
     return ds
 
@@ -111,7 +111,7 @@ def build_engine(config: TrainerConfig, model: torch.nn.Module, total_steps: int
 
     The one place the engine is chosen: DeepSpeed, or with ``engine: fsdp2``
     :class:`memfit_trainer.fsdp2_engine.Fsdp2Engine`, which offers the same surface to the loop."""
-    if config.engine == Engine.FSDP2:
+    if config.engine.kind == Engine.FSDP2:
         from memfit_trainer.fsdp2_engine import build_fsdp2_engine
 
         return build_fsdp2_engine(config, model, total_steps)
@@ -119,7 +119,7 @@ def build_engine(config: TrainerConfig, model: torch.nn.Module, total_steps: int
     from torch.optim.lr_scheduler import LambdaLR
 
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = None if "optimizer" in config.deepspeed else client_optimizer(config.training, params)
+    optimizer = None if config.engine.builds_optimizer else client_optimizer(config.training, params)
     schedule = warmup_cosine(total_steps, config.training.warmup_ratio)
     engine, _, _, scheduler = deepspeed.initialize(
         model=model,

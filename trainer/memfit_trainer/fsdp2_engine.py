@@ -52,7 +52,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim.lr_scheduler import LambdaLR
 
 from memfit.api.vocabulary import MasterWeights, Method, Precision
-from memfit.contract.trainer_config import ConfigError, Fsdp2Config, TrainerConfig
+from memfit.contract.engines import Fsdp2EngineSection
+from memfit.contract.reader import ConfigError
+from memfit.contract.trainer_config import TrainerConfig
 from memfit_trainer.engine import client_optimizer, warmup_cosine
 from memfit_trainer.model import DTYPES, trains_adapters
 from memfit_trainer.optimizer_in_backward import PerParameterSchedules, step_in_backward
@@ -80,7 +82,7 @@ def fp32_masters(config: TrainerConfig) -> bool:
     return training.precision == Precision.BF16 and training.master_weights == MasterWeights.FP32
 
 
-def mixed_precision(config: TrainerConfig, fsdp2: Fsdp2Config) -> Any:
+def mixed_precision(config: TrainerConfig, fsdp2: Fsdp2EngineSection) -> Any:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return MixedPrecisionPolicy(
@@ -110,8 +112,8 @@ def shard_model(config: TrainerConfig, model: torch.nn.Module, device: torch.dev
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-    fsdp2 = config.fsdp2
-    assert fsdp2 is not None  # TrainerConfig requires it on the fsdp2 engine
+    fsdp2 = config.engine
+    assert isinstance(fsdp2, Fsdp2EngineSection)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if fsdp2.cpu_offload else OffloadPolicy()
     options: dict[str, Any] = {
@@ -252,7 +254,7 @@ def build_fsdp2_engine(config: TrainerConfig, model: torch.nn.Module, total_step
     sharded = shard_model(config, model, device)
     params = [p for p in sharded.parameters() if p.requires_grad]
     schedule = warmup_cosine(total_steps, training.warmup_ratio)
-    in_backward = config.fsdp2 is not None and config.fsdp2.optimizer_in_backward
+    in_backward = isinstance(config.engine, Fsdp2EngineSection) and config.engine.optimizer_in_backward
     scheduler: LambdaLR | PerParameterSchedules
     if in_backward:
         optimizers = step_in_backward(params, lambda group: client_optimizer(training, group))

@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 
 from memfit.api.vocabulary import Attention, Engine
-from memfit.contract.trainer_config import ConfigError, TrainerConfig
+from memfit.contract.reader import ConfigError
+from memfit.contract.trainer_config import TrainerConfig
 from memfit_trainer.activation_offload import ActivationOffload, offload_activations
 from memfit_trainer.checkpoint import Checkpoint, CheckpointManager, fsync_tree, load_rng_state, save_rng_state
 from memfit_trainer.chunked_loss import causal_lm_loss, select_kernel, unwrap_causal_lm
@@ -127,7 +128,7 @@ def _find_start(manager: CheckpointManager, config: TrainerConfig, rank: int) ->
         if start.conversion is not None:
             source = start.conversion.source
             try:
-                partitioned = config.engine == Engine.DEEPSPEED and config.layout.zero_stage == 3
+                partitioned = config.engine.kind == Engine.DEEPSPEED and config.layout.zero_stage == 3
                 write_universal(source, CHECKPOINT_TAG, universal_dir(manager, source.step), partitioned)
             except ConversionError as error:
                 start = _Start(refusal=f"{str(error).splitlines()[0]}; starting from the weights")
@@ -293,7 +294,7 @@ def train(config: TrainerConfig, ranks: Ranks, metrics: TrainerMetrics, guard: O
     built = build_model(config, ranks.local_rank)
     batches, held_out = _batches(config, built.tokenizer, ranks)
     total = total_optimizer_steps(training, batches.micro_batches_per_epoch)
-    converted_into = config.engine == Engine.DEEPSPEED and start.conversion is not None
+    converted_into = config.engine.kind == Engine.DEEPSPEED and start.conversion is not None
     engine, scheduler = build_engine(universal_loading(config) if converted_into else config, built.model, total)
     progress = ConsoleProgress(total, enabled=ranks.rank == 0)
     progress.message(f"metrics: rank 0 serves /metrics on port {metrics.port}")  # ephemeral under `memfit run --local`
@@ -305,7 +306,7 @@ def train(config: TrainerConfig, ranks: Ranks, metrics: TrainerMetrics, guard: O
         progress.message(f"resumed from checkpoint step {step} ({said})")
     elif start.conversion is not None:
         step = start.conversion.source.step
-        position, said = _resume_converted(engine, config.engine, start.conversion, manager, ranks, lora, batches)
+        position, said = _resume_converted(engine, config.engine.kind, start.conversion, manager, ranks, lora, batches)
         _save_checkpoint(engine, manager, step, position, ranks, training.keep_checkpoints, lora, layout,
                          training.micro_batch_size, start.conversion.marker())  # fmt: skip
         if ranks.rank == 0:

@@ -16,8 +16,9 @@ import sys
 from collections.abc import Sequence
 
 from memfit.api.vocabulary import Engine
+from memfit.contract.reader import ConfigError, load_config
 from memfit.contract.termination import DEFAULT_TERMINATION_LOG, report_config_error
-from memfit.contract.trainer_config import ConfigError, TrainerConfig, load_config
+from memfit.contract.trainer_config import TrainerConfig
 
 EXIT_CONFIG = 2
 
@@ -57,7 +58,7 @@ def run(config: TrainerConfig) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
-    if config.engine == Engine.FSDP2:
+    if config.engine.kind == Engine.FSDP2:
         # CPU offload clips and checkpoints host tensors: gloo beside NCCL for those.
         dist.init_process_group(backend="cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo")
     else:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from memfit.api.vocabulary import Attention, Engine, Method, Precision
+from memfit.contract.engines import DeepSpeedEngineSection
 from memfit.contract.trainer_config import TrainerConfig
 from memfit_trainer.hf_config import transformers_config
 from memfit_trainer.tokenizer import model_tokenizer
@@ -73,7 +74,7 @@ def _device_map(config: TrainerConfig, local_rank: int) -> dict[str, Any]:
     """Where QLoRA's 4-bit base is built: on the GPU for DeepSpeed (which keeps it whole there); on the host
     for fsdp2, whose ``fully_shard`` moves each layer to the GPU as it shards it (bitsandbytes' ``Params4bit.to``
     moves the quant states along), so no GPU ever holds the whole 4-bit model."""
-    on_gpu = torch.cuda.is_available() and config.engine != Engine.FSDP2
+    on_gpu = torch.cuda.is_available() and config.engine.kind != Engine.FSDP2
     return {"": local_rank if on_gpu else "cpu"}
 
 
@@ -104,13 +105,13 @@ def _load_base(config: TrainerConfig, local_rank: int) -> Any:
             )
             return AutoModelForCausalLM.from_pretrained(
                 scratch,
-                quantization_config=quantization_config(config.engine),
+                quantization_config=quantization_config(config.engine.kind),
                 device_map=_device_map(config, local_rank),
                 **kwargs,
             )
     if training.method == Method.QLORA:
         kwargs.update(
-            quantization_config=quantization_config(config.engine), device_map=_device_map(config, local_rank)
+            quantization_config=quantization_config(config.engine.kind), device_map=_device_map(config, local_rank)
         )
     return AutoModelForCausalLM.from_pretrained(
         model_config.name_or_path,
@@ -145,11 +146,12 @@ def build_model(config: TrainerConfig, local_rank: int = 0) -> BuiltModel:
     training = config.training
     tokenizer = build_tokenizer(config)
     zero3_context = None
-    if config.deepspeed.get("zero_optimization", {}).get("stage", 0) == 3 and training.method != Method.QLORA:
+    deepspeed = config.engine
+    if isinstance(deepspeed, DeepSpeedEngineSection) and deepspeed.zero_stage == 3 and training.method != Method.QLORA:
         from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
         # From here on, models are built partitioned. (HfDeepSpeedConfig.__init__ is unannotated.)
-        zero3_context = HfDeepSpeedConfig(config.deepspeed)  # type: ignore[no-untyped-call]
+        zero3_context = HfDeepSpeedConfig(deepspeed.config)  # type: ignore[no-untyped-call]
     model = _load_base(config, local_rank)
     model.train()  # from_pretrained returns it in eval mode: no dropout, and bitsandbytes' CPU inference repacking
     model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory

@@ -18,13 +18,15 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from memfit.api.vocabulary import EIGHT_BIT_OPTIMIZERS, Attention, Engine, Method, Offload, Optimizer, Precision
-from memfit.contract.trainer_config import ConfigError, TrainerConfig
+from memfit.api.vocabulary import EIGHT_BIT_OPTIMIZERS, Attention, Engine, Method, Optimizer, Precision
+from memfit.contract.engines import DeepSpeedEngineSection
+from memfit.contract.reader import ConfigError
+from memfit.contract.trainer_config import TrainerConfig
 
 BYTE_TOKENIZER_VOCAB = 258
 """Token ids the byte-level tokenizer of random-init models emits (256 bytes, EOS, pad)."""
 NEEDS_BITSANDBYTES = EIGHT_BIT_OPTIMIZERS | {Optimizer.LION}
-"""Client optimizers (those ``config.deepspeed`` does not build) that come from bitsandbytes."""
+"""Client optimizers (those the DeepSpeed section does not build) that come from bitsandbytes."""
 
 
 def _writable_dir(path: Path) -> bool:
@@ -89,24 +91,21 @@ def _precision_problem(precision: Precision) -> str | None:
     return f"training.precision {precision} is not supported by this machine's {accelerator.device_name()} accelerator"
 
 
-def _offload_problems(deepspeed: Mapping[str, object]) -> list[str]:
-    zero = deepspeed.get("zero_optimization") or {}
-    assert isinstance(zero, Mapping)
+def _offload_problems(config: TrainerConfig) -> list[str]:
+    if not isinstance(config.engine, DeepSpeedEngineSection):
+        return []
     problems = []
-    for key in ("offload_optimizer", "offload_param"):
-        section = zero.get(key) or {}
-        if isinstance(section, Mapping) and section.get("device") == Offload.NVME:
-            nvme = section.get("nvme_path")
-            if not nvme or not Path(str(nvme)).is_dir():
-                problems.append(f"deepspeed {key} uses NVMe but nvme_path {nvme!r} does not exist")
-            elif not os.access(str(nvme), os.W_OK | os.X_OK):
-                problems.append(f"deepspeed {key} uses NVMe but nvme_path {nvme!r} is not writable")
+    for key, nvme in config.engine.nvme_paths.items():
+        if not Path(nvme).is_dir():
+            problems.append(f"deepspeed {key} uses NVMe but nvme_path {nvme!r} does not exist")
+        elif not os.access(nvme, os.W_OK | os.X_OK):
+            problems.append(f"deepspeed {key} uses NVMe but nvme_path {nvme!r} is not writable")
     return problems
 
 
 def _fsdp2_problems(config: TrainerConfig) -> list[str]:
     """What the fsdp2 engine (memfit_trainer.fsdp2_engine) does not run, beyond what the config refuses."""
-    if config.engine != Engine.FSDP2:
+    if config.engine.kind != Engine.FSDP2:
         return []
     training, problems = config.training, []
     if training.precision == Precision.FP16:
@@ -149,13 +148,13 @@ def check(config: TrainerConfig, environ: Mapping[str, str]) -> None:
     if training.attention == Attention.FLASH and importlib.util.find_spec("flash_attn") is None:
         problems.append("training.attention is flash but the flash-attn package is not installed")
     bnb_needed = training.method == Method.QLORA or (
-        "optimizer" not in config.deepspeed and training.optimizer in NEEDS_BITSANDBYTES
+        not config.engine.builds_optimizer and training.optimizer in NEEDS_BITSANDBYTES
     )
     if bnb_needed and importlib.util.find_spec("bitsandbytes") is None:
         problems.append(f"{training.method} with optimizer {training.optimizer} needs bitsandbytes, not installed")
     if training.method == Method.QLORA and training.precision != Precision.BF16:
         problems.append("qlora computes in bf16: set training.precision to bf16")
-    problems.extend(_offload_problems(config.deepspeed))
+    problems.extend(_offload_problems(config))
     problems.extend(_fsdp2_problems(config))
     port = _metrics_port_problem(config, environ)
     if port:

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from memfit.contract.trainer_config import DataConfig, ModelConfig
+from memfit.contract.sections import DataConfig, ModelConfig
 from memfit_trainer.blocks import DOCUMENT, IDS, IGNORE_INDEX, LABELS, TokenStatistics
 from memfit_trainer.data import DataError, DataSource, PackedBatches, load_records
 from memfit_trainer.tokenizer import TokenizerLoadError, model_tokenizer

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from memfit.contract.trainer_config import ModelConfig
+from memfit.contract.sections import ModelConfig
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"

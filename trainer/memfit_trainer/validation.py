@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from memfit.contract.trainer_config import ValidationConfig
+from memfit.contract.sections import ValidationConfig
 from memfit_trainer.blocks import IGNORE_INDEX
 from memfit_trainer.chunked_loss import shift_labels
 from memfit_trainer.console import ConsoleProgress
