@@ -16,7 +16,7 @@ MANAGED_BY: Final = "memfit"
 """The label, and its value, on every object the operator creates: how it finds (and watches) its own pods."""
 
 TIMESTAMP_FORMAT: Final = "%Y-%m-%dT%H:%M:%SZ"
-"""RFC 3339 in UTC to the second (``strftime``): the timestamps of a FineTuneJob's status."""
+"""RFC 3339 in UTC to the second (``strftime``): the timestamps of a FineTuneJob's status and of checkpoint markers."""
 
 
 class Method(StrEnum):

@@ -27,12 +27,13 @@ from memfit.api.base import API_VERSION, GROUP
 from memfit.api.finetunejob import FineTuneJob
 from memfit.api.gpupool import GPU_PRODUCT_LABEL, GPUPool, pool_capacity
 from memfit.api.plan import PlanCandidate
-from memfit.api.vocabulary import Offload
+from memfit.api.vocabulary import MANAGED_BY, MANAGED_BY_LABEL, Offload
 from memfit.contract.engines import DeepSpeedEngineSection
 from memfit.contract.sections import MetricsConfig
 from memfit.contract.trainer_config import TrainerConfig
 from memfit.render.deepspeed import NVME_PATH
 from memfit.render.trainer_config import POD_MOUNTS
+from memfit.units import GIB
 
 CONFIG_DIR = "/etc/memfit"
 CONFIG_FILE = "trainer-config.json"
@@ -42,7 +43,6 @@ RENDEZVOUS_PORT = 29500
 METRICS_PORT = 9400
 GPU_RESOURCE = "nvidia.com/gpu"
 SHM_LIMIT = "16Gi"
-GIB = 1024**3
 MIB = 1024**2
 
 TMP_DIR = "/tmp"
@@ -129,7 +129,7 @@ def labels(job: FineTuneJob, attempt: int | None = None) -> dict[str, str]:
     """The labels every child carries (and selects on)."""
     result = {
         "app.kubernetes.io/name": "memfit-trainer",
-        "app.kubernetes.io/managed-by": "memfit",
+        MANAGED_BY_LABEL: MANAGED_BY,
         JOB_LABEL: job_label_value(job),
     }
     if attempt is not None:
@@ -467,7 +467,7 @@ def network_policy(job: FineTuneJob, plan: PlanCandidate, attempt: int, options:
     """Ingress of one attempt's pods: from the pods of the same attempt on any port (torchrun's rendezvous
     on 29500, and NCCL's and Gloo's bootstrap and data sockets, which listen on ephemeral ports), and from
     ``options.metrics_peers`` on the metrics ports. Nothing else reaches them while it exists."""
-    gang = {"app.kubernetes.io/managed-by": "memfit", JOB_LABEL: job_label_value(job), ATTEMPT_LABEL: str(attempt)}
+    gang = {MANAGED_BY_LABEL: MANAGED_BY, JOB_LABEL: job_label_value(job), ATTEMPT_LABEL: str(attempt)}
     ingress: list[dict[str, Any]] = [{"from": [{"podSelector": {"matchLabels": gang}}]}]
     if options.metrics_peers:
         ports = [{"protocol": "TCP", "port": METRICS_PORT + rank} for rank in range(plan.strategy.gpus_per_node)]

@@ -46,6 +46,8 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from memfit.api.vocabulary import TIMESTAMP_FORMAT
+
 COMPLETE_MARKER = "COMPLETE"
 TEMP_SUFFIX = ".tmp"
 _FINAL_NAME = re.compile(r"^step-(\d+)$")
@@ -121,7 +123,7 @@ class CheckpointManager:
             raise FileNotFoundError(f"no temporary checkpoint directory {tmp}; call prepare() first")
         marker = {
             "step": step,
-            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "timestamp": time.strftime(TIMESTAMP_FORMAT, time.gmtime()),
             **metadata,
         }
         payload = json.dumps(marker, sort_keys=True)
