@@ -414,6 +414,11 @@ class Measured:
         return self.peak_bytes is not None or self.tokens_per_second is not None
 
 
+def _measured_over_planned(measured: float | None, planned: float) -> float | None:
+    """measured / planned, where a measurement exists and the plan predicts something."""
+    return None if measured is None or planned <= 0 else measured / planned
+
+
 @dataclass
 class CaseResult:
     case: Case
@@ -427,20 +432,16 @@ class CaseResult:
     @property
     def memory_ratio(self) -> float | None:
         """Measured peak / planned peak (only when both exist)."""
-        if self.planned is None or self.measured is None or self.measured.peak_bytes is None:
+        if self.planned is None or self.measured is None:
             return None
-        if self.planned.peak_allocated_bytes <= 0:
-            return None
-        return self.measured.peak_bytes / self.planned.peak_allocated_bytes
+        return _measured_over_planned(self.measured.peak_bytes, self.planned.peak_allocated_bytes)
 
     @property
     def throughput_ratio(self) -> float | None:
         """Measured steady tokens/s / planned tokens/s (only when both exist)."""
-        if self.planned is None or self.measured is None or self.measured.tokens_per_second is None:
+        if self.planned is None or self.measured is None:
             return None
-        if self.planned.tokens_per_second <= 0:
-            return None
-        return self.measured.tokens_per_second / self.planned.tokens_per_second
+        return _measured_over_planned(self.measured.tokens_per_second, self.planned.tokens_per_second)
 
     def to_dict(self) -> dict[str, Any]:
         case = self.case

@@ -27,15 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from memfit.api.finetunejob import Progress
 from memfit.api.vocabulary import TIMESTAMP_FORMAT
-from memfit.contract.progress import (
-    CHECKPOINT_STEP_METRIC,
-    ETA_METRIC,
-    STEP_METRIC,
-    TOKENS_PER_SECOND_METRIC,
-    TOTAL_STEPS_METRIC,
-    VALIDATION_LOSS_METRIC,
-    VALIDATION_STEP_METRIC,
-)
+from memfit.contract import progress as metric
 from memfit_operator.objects import RANK_LABEL, owned_by
 
 SCRAPE_TIMEOUT_SECONDS = 3.0
@@ -57,15 +49,15 @@ def parse_trainer_metrics(text: str, world_size: int, now: datetime) -> Progress
         for sample in family.samples:
             if sample.labels.get("rank", "0") == "0":
                 values[sample.name] = sample.value
-    if STEP_METRIC not in values:
+    if metric.STEP_METRIC not in values:
         return None
-    step = int(values[STEP_METRIC])
-    total = int(values[TOTAL_STEPS_METRIC]) if TOTAL_STEPS_METRIC in values else None
-    eta_seconds = values.get(ETA_METRIC)
-    rate = values.get(TOKENS_PER_SECOND_METRIC)
-    checkpoint = values.get(CHECKPOINT_STEP_METRIC)
-    validation_loss = values.get(VALIDATION_LOSS_METRIC)
-    validation_step = values.get(VALIDATION_STEP_METRIC)
+    step = int(values[metric.STEP_METRIC])
+    total = int(values[metric.TOTAL_STEPS_METRIC]) if metric.TOTAL_STEPS_METRIC in values else None
+    eta_seconds = values.get(metric.ETA_METRIC)
+    rate = values.get(metric.TOKENS_PER_SECOND_METRIC)
+    checkpoint = values.get(metric.CHECKPOINT_STEP_METRIC)
+    validation_loss = values.get(metric.VALIDATION_LOSS_METRIC)
+    validation_step = values.get(metric.VALIDATION_STEP_METRIC)
     return Progress(
         step=step,
         total_steps=total,
