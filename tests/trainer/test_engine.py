@@ -9,7 +9,8 @@ import pytest
 
 from memfit.contract.trainer_config import ConfigError
 from memfit_trainer.console import ConsoleProgress, format_duration
-from memfit_trainer.engine import engine_config, total_optimizer_steps, warmup_cosine
+from memfit_trainer.deepspeed_engine import engine_config
+from memfit_trainer.optimization import total_optimizer_steps, warmup_cosine
 from tests.trainer.runs import make_config
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from memfit.api.vocabulary import Attention, TerminationReason
 from memfit.contract.trainer_config import ConfigError, VolumesConfig
-from memfit_trainer.engine import engine_config
+from memfit_trainer.deepspeed_engine import engine_config
 from memfit_trainer.oom import EXIT_CODE_OOM
 from memfit_trainer.preflight import check
 from tests.trainer.runs import make_config, run_single_process, run_trainer, trainer_env, write_config
