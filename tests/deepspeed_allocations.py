@@ -2,9 +2,9 @@
 
 For each case it renders the DeepSpeed config with memfit's own renderer (``memfit.render.deepspeed``), builds
 the model and the engine with the trainer's own code (``memfit_trainer.model.build_model``,
-``memfit_trainer.engine.build_engine``), runs one optimizer step on a fixed batch and counts the bytes of
-every live tensor storage (``gc`` plus each leaf's ``.grad``; a storage shared by views counts once) at four
-moments: after ``deepspeed.initialize``, after the backward pass, inside the optimizer step (a
+``memfit_trainer.deepspeed_engine.build_deepspeed_engine``), runs one optimizer step on a fixed batch and counts
+the bytes of every live tensor storage (``gc`` plus each leaf's ``.grad``; a storage shared by views counts
+once) at four moments: after ``deepspeed.initialize``, after the backward pass, inside the optimizer step (a
 ``register_step_post_hook`` on the optimizer DeepSpeed steps, the moment the step's gradient partition and
 the new states are alive together) and after the step. Storages that were alive before the model was built,
 the input batch, and ZeRO-3's reduce bucket (``ipg_buckets``: a communication buffer, which memfit counts in
@@ -166,7 +166,7 @@ def _recording_peak(record: dict[str, Any], key: str, function: Any, *args: Any,
 def measure(case: Case) -> dict[str, Any]:
     import torch
 
-    from memfit_trainer.engine import build_engine
+    from memfit_trainer.deepspeed_engine import build_deepspeed_engine
     from memfit_trainer.model import build_model
 
     with tempfile.TemporaryDirectory(prefix="memfit-ds-alloc-") as scratch:
@@ -176,7 +176,7 @@ def measure(case: Case) -> dict[str, Any]:
         alive_before = live_tensors()  # held to the end: their addresses cannot be reused meanwhile
         before = _storages(alive_before)
         built = build_model(config, 0)
-        engine, _ = build_engine(config, built.model, 10)
+        engine = build_deepspeed_engine(config, built.model, 10).engine
         inner = engine.basic_optimizer  # what DeepSpeed steps: on its masters under ZeRO, else the parameters
         params = list(engine.module.parameters())
         buckets = [b.buffer for b in getattr(engine.optimizer, "ipg_buckets", {}).values() if b.buffer is not None]

@@ -1,6 +1,6 @@
 """bf16 master weights and the optimizers' rules, from the spec to the engine: what the DeepSpeed config says
 (memfit.render.deepspeed), what the trainer config accepts (TrainerConfig's DeepSpeed checks) and what the
-trainer hands DeepSpeed (memfit_trainer.engine.engine_config)."""
+trainer hands DeepSpeed (memfit_trainer.deepspeed_engine.engine_config)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from memfit.contract.trainer_config import TrainerConfig
 from memfit.planner.search import plan_job
 from memfit.render.deepspeed import deepspeed_config
 from memfit.render.trainer_config import render_trainer_config
-from memfit_trainer.engine import engine_config
+from memfit_trainer.deepspeed_engine import engine_config
 from tests.planning_fixtures import job
 from tests.trainer.runs import make_config
 

@@ -1,4 +1,5 @@
-"""The run's length, its learning-rate schedule and the DeepSpeed flags a client optimizer needs."""
+"""The run's length, its learning-rate schedule, the DeepSpeed flags a client optimizer needs and the registry
+of engines."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from memfit.api.vocabulary import Engine
 from memfit.contract.engines import DeepSpeedEngineSection
 from memfit.contract.reader import ConfigError
 from memfit_trainer.console import ConsoleProgress, format_duration
-from memfit_trainer.engine import engine_config, total_optimizer_steps, warmup_cosine
+from memfit_trainer.deepspeed_engine import engine_config
+from memfit_trainer.engine import ENGINES
+from memfit_trainer.optimization import total_optimizer_steps, warmup_cosine
 from tests.trainer.runs import make_config
 
 
@@ -58,3 +62,7 @@ def test_console_progress_is_plain_throttled_and_rank0_only() -> None:
     quiet = io.StringIO()
     ConsoleProgress(10, enabled=False, stream=quiet).step(1, loss=1.0, learning_rate=1.0, tokens=1)
     assert quiet.getvalue() == "" and format_duration(3725) == "1:02:05"
+
+
+def test_every_engine_of_the_vocabulary_has_a_builder() -> None:
+    assert set(ENGINES) == set(Engine)

@@ -31,7 +31,7 @@ def test_position_rounds_up_to_a_whole_step_of_more_ranks() -> None:
 def _sharded(tmp_path: Path, **options: object):  # type: ignore[no-untyped-def]
     config = make_config(tmp_path, engine="fsdp2", max_steps=4, **options)  # type: ignore[arg-type]
     built = build_model(config)
-    return config, build_fsdp2_engine(config, built.model, total_steps=4)[0]
+    return config, build_fsdp2_engine(config, built.model, total_steps=4)
 
 
 @pytest.mark.usefixtures("world_of_one")

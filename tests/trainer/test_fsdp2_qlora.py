@@ -56,7 +56,7 @@ def _rank(rank: int, directory: Path, options: dict[str, Any]) -> None:
         (directory / f"rank{rank}").mkdir()
         config = make_config(directory / f"rank{rank}", engine="fsdp2", method="qlora", max_steps=STEPS,
                              learning_rate=1e-2, **options)  # fmt: skip
-        engine, _ = build_fsdp2_engine(config, build_model(config).model, total_steps=STEPS)
+        engine = build_fsdp2_engine(config, build_model(config).model, total_steps=STEPS)
         params: dict[str, Any] = dict(engine.module.named_parameters())  # DTensors
         shards = sum(p.to_local().untyped_storage().nbytes() for p in params.values())
         linears = [m for m in engine.module.modules() if isinstance(m, Linear4bit)]

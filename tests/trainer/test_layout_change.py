@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from memfit.contract.trainer_config import TrainerConfig
-from memfit_trainer.loop import CHECKPOINT_TAG as TAG
+from memfit_trainer.checkpoint import DEEPSPEED_TAG as TAG
 from tests.trainer.runs import logged_losses, make_config, run_trainer, write_config
 
 pytestmark = pytest.mark.distributed

@@ -13,7 +13,7 @@ from memfit.api.vocabulary import Attention, TerminationReason
 from memfit.contract.engines import DeepSpeedEngineSection
 from memfit.contract.reader import ConfigError
 from memfit.contract.sections import VolumesConfig
-from memfit_trainer.engine import engine_config
+from memfit_trainer.deepspeed_engine import engine_config
 from memfit_trainer.oom import EXIT_CODE_OOM
 from memfit_trainer.preflight import check
 from tests.trainer.runs import make_config, run_single_process, run_trainer, trainer_env, write_config

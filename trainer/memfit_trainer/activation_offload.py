@@ -42,6 +42,8 @@ from typing import Any
 import torch
 
 from memfit.contract.reader import ConfigError
+from memfit_trainer.run import Run
+from memfit_trainer.technique import Installed
 
 CHECKPOINT_FUNCTION = "_gradient_checkpointing_func"
 """The attribute through which a ``GradientCheckpointingLayer`` calls ``torch.utils.checkpoint``."""
@@ -237,3 +239,12 @@ class ActivationOffload:
 def offload_activations(model: torch.nn.Module, host: torch.device | str = "cpu") -> ActivationOffload:
     """Install activation offloading on ``model``'s checkpointed layers (see :class:`ActivationOffload`)."""
     return ActivationOffload(model, host)
+
+
+def install(run: Run) -> Installed | None:
+    """With ``training.activation_offloading``, the technique on the run's model (the config refuses it without
+    gradient checkpointing); what moved is said at the end."""
+    if not run.config.training.activation_offloading:
+        return None
+    offload = offload_activations(run.engine.module)
+    return Installed(said=offload.describe(), summary=offload.summary)

@@ -8,15 +8,15 @@ with the final name *and* a valid marker, so a torn save is never mistaken for a
 directories are removed by :meth:`CheckpointManager.cleanup_stale`. Deletions rename to ``.tmp`` first for
 the same reason (a half-deleted directory must not still look complete).
 
-The manager does not know what is inside a checkpoint. With several ranks (DeepSpeed writes one shard per
-rank) the training loop places the barriers::
+The manager does not know what is inside a checkpoint. With several ranks (each writes its shards) the
+training loop places the barriers (:func:`memfit_trainer.resume.save_checkpoint`)::
 
     manager = CheckpointManager(root)
     if rank == 0:
         tmp = manager.prepare(step)          # fresh, empty step-000123.tmp
     barrier()
     tmp = manager.temp_dir(step)             # same path on every rank (shared volume)
-    engine.save_checkpoint(str(tmp), tag="deepspeed", client_state=..., save_latest=False)
+    engine.save_checkpoint(tmp)              # memfit_trainer.training_engine.TrainingEngine
     save_rng_state(tmp, rank)
     fsync_tree(tmp)                          # each rank flushes what it wrote (needed on network filesystems)
     barrier()                                # every shard is on disk before the marker exists
@@ -25,9 +25,9 @@ rank) the training loop places the barriers::
         manager.prune(keep)
     barrier()                                # nobody reads or reuses the directory before it is final
 
-``tag="deepspeed"`` with ``save_latest=False`` keeps all DeepSpeed files inside the step directory (no
-``latest`` file or converter script next to it), so the directory can be renamed; load it with
-``engine.load_checkpoint(str(checkpoint.path), tag="deepspeed")``. Single-process code can call :meth:`save`.
+The engine keeps all its files inside the step directory (DeepSpeed's in the :data:`DEEPSPEED_TAG`
+subdirectory, with no ``latest`` file or converter script next to it), so the directory can be renamed; load
+it with ``engine.load_checkpoint(checkpoint.path)``. Single-process code can call :meth:`save`.
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ import torch
 from memfit.api.vocabulary import TIMESTAMP_FORMAT
 
 COMPLETE_MARKER = "COMPLETE"
+DEEPSPEED_TAG = "deepspeed"
+"""The subdirectory of a step directory that holds DeepSpeed's files (its checkpoint ``tag``)."""
 TEMP_SUFFIX = ".tmp"
 _FINAL_NAME = re.compile(r"^step-(\d+)$")
 

@@ -26,6 +26,8 @@ import torch.nn.functional as F
 
 from memfit.memory.activations import loss_chunk_tokens
 from memfit_trainer.blocks import IGNORE_INDEX
+from memfit_trainer.run import Run
+from memfit_trainer.technique import Installed
 
 PYTORCH, LIGER, CUT_CROSS_ENTROPY = "pytorch", "liger-kernel", "cut-cross-entropy"
 
@@ -215,3 +217,17 @@ def causal_lm_loss(
     head = causal_lm.get_output_embeddings()
     softcap = getattr(causal_lm.config, "final_logit_softcapping", None)
     return loss_function(captured[-1], head.weight, shift_labels(batch["labels"]), bias=head.bias, softcap=softcap)
+
+
+def install(run: Run) -> Installed | None:
+    """With ``training.chunked_loss``, the micro-batch's loss with the LM head inside it, its implementation
+    chosen once and said in the log. The config refuses it under ZeRO-3, where the head's weight is partitioned."""
+    if not run.config.training.chunked_loss:
+        return None
+    engine = run.engine
+    name, kernel = select_kernel(engine.device)
+    causal_lm = unwrap_causal_lm(engine)
+    return Installed(
+        said=f"loss: chunked cross-entropy ({name})",
+        loss=lambda batch: causal_lm_loss(engine, causal_lm, batch, kernel),
+    )

@@ -8,9 +8,10 @@ optimizer state, ``zero/<name>/fp32.pt``, ``exp_avg.pt``, ... and the step) into
 ``step-NNNNNN.universal.tmp`` of this run's layout (removed, like a torn save, by
 :meth:`~memfit_trainer.checkpoint.CheckpointManager.cleanup_stale`). The run's engine loads it:
 
-* DeepSpeed with ``checkpoint.load_universal`` (:func:`universal_loading`), which re-partitions every state for
-  this stage and world size and restores the LR schedule from the copied model-states file (renamed, and for
-  ZeRO-3 the optimizer's common state completed, where the source's stage wrote them otherwise);
+* DeepSpeed with ``checkpoint.load_universal`` (:func:`~memfit_trainer.deepspeed_engine.universal_loading`),
+  which re-partitions every state for this stage and world size and restores the LR schedule from the copied
+  model-states file (renamed, and for ZeRO-3 the optimizer's common state completed, where the source's stage
+  wrote them otherwise);
 * fsdp2 (:func:`load_universal_into_fsdp2`) through ``set_state_dict`` with full state dicts, the optimizer's
   states matched by name and the LR schedule loaded from DeepSpeed's model-states file.
 
@@ -29,11 +30,11 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+from torch.optim.lr_scheduler import LambdaLR
 
-from memfit.contract.engines import DeepSpeedEngineSection
 from memfit.contract.layout import CheckpointLayout
-from memfit.contract.trainer_config import TrainerConfig
 from memfit_trainer.checkpoint import TEMP_SUFFIX, Checkpoint, CheckpointManager, step_name
+from memfit_trainer.optimizer_in_backward import PerParameterSchedules
 
 UNIVERSAL_SUFFIX = ".universal" + TEMP_SUFFIX
 MODEL_STATES = "mp_rank_00_model_states.pt"
@@ -163,12 +164,6 @@ def write_universal(source: Checkpoint, tag: str, scratch: Path, partitioned_wei
     return scratch
 
 
-def universal_loading(config: TrainerConfig) -> TrainerConfig:
-    """``config`` with DeepSpeed told to load universal checkpoints (read when the engine is built)."""
-    assert isinstance(config.engine, DeepSpeedEngineSection)
-    return config.model_copy(update={"engine": config.engine.loading_universal()})
-
-
 def _read(zero: Path, name: str, state: str) -> Any:
     path = zero / name / f"{state}.pt"
     if not path.is_file():
@@ -224,20 +219,26 @@ def _full_state(zero: Path, sharded: dict[str, Any]) -> tuple[dict[str, Any], di
     return model, optimizer
 
 
-def load_universal_into_fsdp2(engine: Any, universal: Path, tag: str, lora: bool) -> None:
+def load_universal_into_fsdp2(
+    module: torch.nn.Module,
+    optimizers: tuple[torch.optim.Optimizer, ...],
+    lr_scheduler: LambdaLR | PerParameterSchedules,
+    universal: Path,
+    tag: str,
+    lora: bool,
+) -> None:
     """Collective: the universal checkpoint's fp32 weights, optimizer states (matched by parameter name and
-    state name, e.g. AdamW's ``exp_avg``) and LR into the fsdp2 engine, and DeepSpeed's LambdaLR state into
-    its scheduler. Every rank reads the full tensors into host memory (one model's weights and states at a
-    time) and keeps its shard of each."""
+    state name, e.g. AdamW's ``exp_avg``) and LR into the fsdp2 engine's sharded ``module`` and ``optimizers``,
+    and DeepSpeed's LambdaLR state into its ``lr_scheduler``. Every rank reads the full tensors into host
+    memory (one model's weights and states at a time) and keeps its shard of each."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_state_dict
 
     sharded = StateDictOptions(ignore_frozen_params=lora, strict=not lora)
     # The template: its states initialised by torch (a step of zero gradients), keyed by parameter name.
-    template: dict[str, Any] = dict(get_optimizer_state_dict(engine.module, engine.optimizers, options=sharded))
+    template: dict[str, Any] = dict(get_optimizer_state_dict(module, optimizers, options=sharded))
     root = universal / tag
     model, optimizer = _full_state(root / "zero", template)
     full = StateDictOptions(full_state_dict=True, ignore_frozen_params=lora, strict=not lora)
-    set_state_dict(engine.module, engine.optimizers, model_state_dict=model, optim_state_dict=optimizer,
-                   options=full)  # fmt: skip
+    set_state_dict(module, optimizers, model_state_dict=model, optim_state_dict=optimizer, options=full)
     model_states = torch.load(root / MODEL_STATES, weights_only=False)
-    engine.lr_scheduler.load_state_dict(model_states["lr_scheduler"])
+    lr_scheduler.load_state_dict(model_states["lr_scheduler"])

@@ -1,4 +1,4 @@
-"""The FSDP2 engine (``engine: fsdp2``): PyTorch's ``fully_shard`` with the surface the loop uses of DeepSpeed's.
+"""The FSDP2 engine (``engine: fsdp2``): PyTorch's ``fully_shard`` behind the loop's ``TrainingEngine`` protocol.
 
 Wrapping (:func:`shard_model`), in this order, over one 1-D device mesh of all ranks:
 
@@ -25,7 +25,7 @@ Gradient accumulation: each micro-batch's loss is divided by ``gradientAccumulat
 accumulation); at the boundary the gradient norm is clipped to ``training.maxGradNorm``
 (``torch.nn.utils.clip_grad_norm_`` on the sharded DTensor gradients), the optimizer (``client_optimizer``:
 AdamW unless configured otherwise) steps, the gradients are freed and the warmup-cosine schedule steps.
-With ``training.maxGradNorm`` null nothing is clipped (and no gradient norm is reported). With
+With ``training.maxGradNorm: 0`` nothing is clipped (and no gradient norm is reported). With
 ``fsdp2.optimizerInBackward`` each parameter has its own optimizer, stepped in the backward pass
 (:mod:`memfit_trainer.optimizer_in_backward`): the boundary only steps the schedule.
 
@@ -55,8 +55,10 @@ from memfit.api.vocabulary import MasterWeights, Method, Precision
 from memfit.contract.engines import Fsdp2EngineSection
 from memfit.contract.reader import ConfigError
 from memfit.contract.trainer_config import TrainerConfig
-from memfit_trainer.engine import client_optimizer, warmup_cosine
+from memfit_trainer.checkpoint import DEEPSPEED_TAG
+from memfit_trainer.convert import load_universal_into_fsdp2
 from memfit_trainer.model import DTYPES, trains_adapters
+from memfit_trainer.optimization import client_optimizer, warmup_cosine
 from memfit_trainer.optimizer_in_backward import PerParameterSchedules, step_in_backward
 
 DCP_DIRECTORY = "dcp"
@@ -137,11 +139,9 @@ def shard_model(config: TrainerConfig, model: torch.nn.Module, device: torch.dev
 
 
 class Fsdp2Engine:
-    """What the loop, the chunked loss, activation offloading and the export use of a DeepSpeed engine:
-    ``engine(**batch)``, ``backward``, ``step`` (an optimizer step at each accumulation boundary, or with
-    the optimizers stepped in backward (``in_backward``) the schedule's step only),
-    ``module``, ``device``, ``save_checkpoint``/``load_checkpoint`` (DeepSpeed's keywords; the tag names
-    nothing here) and :meth:`consolidated_state_dict` for the final export."""
+    """The :class:`~memfit_trainer.training_engine.TrainingEngine` of a sharded model: :meth:`step` makes an
+    optimizer step at each accumulation boundary, or with the optimizers stepped in backward (``in_backward``)
+    the schedule's step only."""
 
     def __init__(
         self,
@@ -168,8 +168,8 @@ class Fsdp2Engine:
         self.micro_steps = 0
         self.last_grad_norm: float | None = None
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+    def __call__(self, **inputs: torch.Tensor) -> Any:
+        return self.module(**inputs)
 
     def trainable(self) -> Iterator[torch.nn.Parameter]:
         return (p for p in self.module.parameters() if p.requires_grad)
@@ -206,22 +206,23 @@ class Fsdp2Engine:
         model, optimizer = get_state_dict(self.module, self.optimizers, options=self._options())
         return {"model": model, "optimizer": optimizer, "scheduler": self.lr_scheduler.state_dict()}
 
-    def save_checkpoint(self, save_dir: str, **_: Any) -> None:
-        """Collective: every rank writes its shards into ``save_dir/dcp`` (DeepSpeed's keyword arguments
-        ``tag``, ``save_latest``, ``exclude_frozen_parameters`` are accepted and decided here: the frozen base
-        of LoRA is never saved)."""
+    @property
+    def learning_rate(self) -> float:
+        return float(self.lr_scheduler.get_last_lr()[0])
+
+    def save_checkpoint(self, directory: Path) -> None:
+        """Collective: every rank writes its shards into ``directory/dcp`` (the frozen base of LoRA never)."""
         from torch.distributed.checkpoint.state_dict_saver import save
 
-        save(self._state(), checkpoint_id=str(Path(save_dir) / DCP_DIRECTORY))
+        save(self._state(), checkpoint_id=str(directory / DCP_DIRECTORY))
 
-    def load_checkpoint(self, load_dir: str, **_: Any) -> tuple[str | None, dict[str, Any]]:
-        """Collective: load ``load_dir/dcp`` into this run's sharding (any world size); DeepSpeed's return
-        shape, ``(path or None, client state)``."""
+    def load_checkpoint(self, directory: Path) -> bool:
+        """Collective: load ``directory/dcp`` into this run's sharding (any world size)."""
         from torch.distributed.checkpoint.state_dict_loader import load
 
-        path = Path(load_dir) / DCP_DIRECTORY
+        path = directory / DCP_DIRECTORY
         if not (path / ".metadata").is_file():
-            return None, {}
+            return False
         state = self._state()
         load(state, checkpoint_id=str(path))
         set_state_dict(
@@ -232,7 +233,11 @@ class Fsdp2Engine:
             options=self._options(),
         )
         self.lr_scheduler.load_state_dict(state["scheduler"])
-        return str(path), {}
+        return True
+
+    def load_converted(self, universal: Path) -> bool:
+        load_universal_into_fsdp2(self.module, self.optimizers, self.lr_scheduler, universal, DEEPSPEED_TAG, self.lora)
+        return True
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the full (unsharded) state dict on rank 0's host, in the compute dtype (the trainable
@@ -246,8 +251,11 @@ class Fsdp2Engine:
         }
 
 
-def build_fsdp2_engine(config: TrainerConfig, model: torch.nn.Module, total_steps: int) -> tuple[Fsdp2Engine, Any]:
-    """``(engine, lr_scheduler)``: the model sharded, the optimizer over its sharded trainable parameters."""
+def build_fsdp2_engine(
+    config: TrainerConfig, model: torch.nn.Module, total_steps: int, *, converted: bool = False
+) -> Fsdp2Engine:
+    """The model sharded, the optimizer over its sharded trainable parameters (``converted`` changes nothing:
+    :meth:`Fsdp2Engine.load_converted` reads a universal checkpoint whatever the build)."""
     training = config.training
     local_rank = torch.cuda.current_device() if torch.cuda.is_available() else None
     device = torch.device("cuda", local_rank) if local_rank is not None else torch.device("cpu")
@@ -262,7 +270,7 @@ def build_fsdp2_engine(config: TrainerConfig, model: torch.nn.Module, total_step
     else:
         optimizers = (client_optimizer(training, params),)
         scheduler = LambdaLR(optimizers[0], schedule)
-    engine = Fsdp2Engine(
+    return Fsdp2Engine(
         sharded,
         optimizers,
         scheduler,
@@ -273,4 +281,3 @@ def build_fsdp2_engine(config: TrainerConfig, model: torch.nn.Module, total_step
         export_dtype=DTYPES[training.precision],
         in_backward=in_backward,
     )
-    return engine, scheduler

@@ -50,9 +50,10 @@ def run(config: TrainerConfig) -> int:
     import torch.distributed as dist
 
     from memfit_trainer.data import DataError
-    from memfit_trainer.loop import Ranks, train
+    from memfit_trainer.loop import train
     from memfit_trainer.metrics import TrainerMetrics
     from memfit_trainer.oom import OomGuard
+    from memfit_trainer.run import Ranks
     from memfit_trainer.tokenizer import TokenizerLoadError
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -1,0 +1,136 @@
+"""The DeepSpeed engine behind :class:`~memfit_trainer.training_engine.TrainingEngine`: ``deepspeed.initialize``
+with the run's optimizer and schedule, and the only module that reads the config's DeepSpeed section.
+
+AdamW and Lion are built by DeepSpeed from its section's ``config`` (fused kernels on GPU, DeepSpeedCPUAdam under
+optimizer offload). The others are built by memfit (:func:`~memfit_trainer.optimization.client_optimizer`) and
+handed over as client optimizers, which DeepSpeed only accepts with ``zero_allow_untested_optimizer`` and, under
+optimizer offload, ``zero_force_ds_cpu_optimizer: false`` (otherwise it refuses anything but its own CPU Adam).
+DeepSpeed steps the warmup-cosine schedule at each optimizer step and saves it in its checkpoints.
+
+With ``training.masterWeights: bf16`` (pure bf16) the precision section decides what the optimizer updates
+(``memfit.contract.engines.precision_section``): DeepSpeed's bf16 master partitions under ZeRO 1-3; at
+ZeRO-0 no section, so that DeepSpeed hands every optimizer, its own or a client one, the model's bf16
+parameters themselves (and clips their gradients itself).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from memfit.api.vocabulary import Offload
+from memfit.contract.engines import DeepSpeedEngineSection, precision_section
+from memfit.contract.trainer_config import TrainerConfig
+from memfit_trainer.checkpoint import DEEPSPEED_TAG
+from memfit_trainer.model import trains_adapters
+from memfit_trainer.optimization import client_optimizer, warmup_cosine
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+
+
+def engine_config(config: TrainerConfig, client: bool) -> dict[str, Any]:
+    """The DeepSpeed section's config plus what this run needs: the flags a client optimizer requires, and what
+    the training section decides where the DeepSpeed section leaves it out (batch sizes, clipping, precision and
+    master weights, as ``memfit.render.deepspeed`` renders them; where it gives them, the config's validation
+    made sure they agree)."""
+    training = config.training
+    deepspeed = _section(config)
+    ds = copy.deepcopy(deepspeed.config)
+    ds.setdefault("train_micro_batch_size_per_gpu", training.micro_batch_size)
+    ds.setdefault("gradient_accumulation_steps", training.gradient_accumulation_steps)
+    ds.setdefault("train_batch_size", training.global_batch_size)
+    ds.setdefault("gradient_clipping", training.max_grad_norm)
+    if not deepspeed.names_precision:
+        # With bf16 masters at ZeRO-0 there is none on purpose: the optimizer updates the bf16 weights themselves.
+        section = precision_section(training.precision, training.master_weights, deepspeed.zero_stage)
+        if section is not None:
+            ds[str(training.precision)] = section
+    if client:
+        ds["zero_allow_untested_optimizer"] = True
+        if deepspeed.offload_optimizer != Offload.NONE:
+            ds["zero_force_ds_cpu_optimizer"] = False
+    return ds
+
+
+def _section(config: TrainerConfig) -> DeepSpeedEngineSection:
+    assert isinstance(config.engine, DeepSpeedEngineSection), "the registry builds this engine for its section only"
+    return config.engine
+
+
+def universal_loading(config: TrainerConfig) -> TrainerConfig:
+    """``config`` with DeepSpeed told to load universal checkpoints (read when the engine is built)."""
+    return config.model_copy(update={"engine": _section(config).loading_universal()})
+
+
+class DeepSpeed:
+    """DeepSpeed's engine (:attr:`engine`) in memfit's terms: a checkpoint is the :data:`DEEPSPEED_TAG` of a
+    directory, without DeepSpeed's ``latest`` file (the marker of :mod:`memfit_trainer.checkpoint` says which
+    checkpoint is complete), the frozen base of LoRA never in it."""
+
+    def __init__(self, engine: DeepSpeedEngine, lr_scheduler: LambdaLR, *, lora: bool) -> None:
+        self.engine = engine
+        self.lr_scheduler = lr_scheduler
+        self.module: torch.nn.Module = engine.module
+        self.device: torch.device = engine.device
+        self.lora = lora
+
+    def __call__(self, **inputs: torch.Tensor) -> Any:
+        return self.engine(**inputs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+
+    def step(self) -> None:
+        self.engine.step()
+
+    @property
+    def learning_rate(self) -> float:
+        return float(self.lr_scheduler.get_last_lr()[0])
+
+    def save_checkpoint(self, directory: Path) -> None:
+        self.engine.save_checkpoint(
+            str(directory), tag=DEEPSPEED_TAG, save_latest=False, exclude_frozen_parameters=self.lora
+        )
+
+    def load_checkpoint(self, directory: Path) -> bool:
+        path, _ = self.engine.load_checkpoint(str(directory), tag=DEEPSPEED_TAG, load_module_strict=not self.lora)
+        return path is not None
+
+    def load_converted(self, universal: Path) -> bool:
+        """The engine was built with :func:`universal_loading`: the ordinary load reads the universal checkpoint."""
+        return self.load_checkpoint(universal)
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Under ZeRO-3 every rank holds a slice of each weight: all ranks gather them layer by layer."""
+        if not self.engine.zero_optimization_partition_weights():
+            return None
+        state: dict[str, torch.Tensor] = self.engine._zero3_consolidated_16bit_state_dict(
+            exclude_frozen_parameters=self.lora
+        )
+        return state
+
+
+def build_deepspeed_engine(
+    config: TrainerConfig, model: torch.nn.Module, total_steps: int, *, converted: bool = False
+) -> DeepSpeed:
+    """The engine for ``model``; ``converted``: it loads a universal checkpoint (:func:`universal_loading`)."""
+    import deepspeed
+
+    if converted:
+        config = universal_loading(config)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = None if _section(config).builds_optimizer else client_optimizer(config.training, params)
+    schedule = warmup_cosine(total_steps, config.training.warmup_ratio)
+    engine, _, _, scheduler = deepspeed.initialize(
+        model=model,
+        model_parameters=params,
+        optimizer=optimizer,
+        lr_scheduler=lambda opt: LambdaLR(opt, schedule),
+        config=engine_config(config, client=optimizer is not None),
+    )
+    return DeepSpeed(engine, scheduler, lora=trains_adapters(config.training.method))
