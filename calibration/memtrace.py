@@ -390,7 +390,7 @@ def trace_training_step(
     model = _build_model(
         shape, dtype, attention, gradient_checkpointing, trainable, lora_rank, lora_targets, lora_dropout
     )
-    if activation_offloading:  # the trainer's hooks (memfit_trainer.loop), copying to the stand-in host
+    if activation_offloading:  # the trainer's hooks (memfit_trainer.activation_offload), to the stand-in host
         offload_activations(model, host=HOST)
     real_inputs = _real_batch(batch, micro_batch, seq_len, shape.vocab_size)
     with _fake_run(causal_mask) as mode:
@@ -400,7 +400,7 @@ def trace_training_step(
         inputs: dict[str, torch.Tensor] = {name: mode.from_tensor(tensor) for name, tensor in real_inputs.items()}
 
         def forward() -> torch.Tensor:
-            if chunked_loss:  # the trainer's code path (memfit_trainer.loop)
+            if chunked_loss:  # the trainer's code path (memfit_trainer.chunked_loss.install)
                 return causal_lm_loss(model, unwrap_causal_lm(model), inputs)
             return cast(torch.Tensor, model(**inputs).loss)
 
