@@ -13,7 +13,6 @@ from memfit.catalog.models import MODEL_PRESETS
 from memfit.memory.activations import estimate_activations
 from memfit.memory.engines.fsdp2 import Fsdp2Step, fsdp2_groups, fsdp2_step
 from memfit.memory.estimate import (
-    LoraSettings,
     activation_setup,
     host_memory_per_node,
     loaded_on_host,
@@ -21,7 +20,7 @@ from memfit.memory.estimate import (
     peak_memory,
     static_memory,
 )
-from memfit.memory.setup import StaticSetup
+from memfit.memory.setup import Adapters, LoraSettings, StaticSetup
 from memfit.memory.sizes import NF4_BYTES_PER_PARAMETER
 from memfit.planner import throughput
 from memfit.planner.engine import CPU_ADAM_PARAMS_PER_SECOND_PER_NODE
@@ -29,7 +28,7 @@ from memfit.planner.engines.fsdp2 import fsdp2_communication_bytes
 
 SHAPE = MODEL_PRESETS["llama-2-7b"]
 P = SHAPE.parameter_count
-LORA = LoraSettings(16, ("all-linear",), True)
+LORA = LoraSettings(Adapters(16, ("all-linear",)), True)
 
 
 def fsdp2(gpus: int = 8, stage: int = 3, offload: Offload = Offload.NONE, **kw: object) -> Strategy:
@@ -43,7 +42,7 @@ def fsdp2(gpus: int = 8, stage: int = 3, offload: Offload = Offload.NONE, **kw: 
 
 
 def states(strategy: Strategy):  # type: ignore[no-untyped-def]
-    return model_states(SHAPE, strategy, LORA.rank, LORA.targets)
+    return model_states(SHAPE, strategy, LORA.adapters)
 
 
 @pytest.mark.parametrize("gpus", [1, 2, 8, 64])
@@ -63,7 +62,7 @@ def test_bf16_masters_halve_every_sharded_state() -> None:
 
 def test_lora_shards_the_bf16_base_and_the_adapters() -> None:
     s = states(fsdp2(method=Method.LORA))
-    adapters = SHAPE.lora_parameters(LORA.rank, LORA.targets)
+    adapters = SHAPE.lora_parameters(LORA.adapters.rank, LORA.adapters.targets)
     assert s.parameters == int((2 * P + 4 * adapters) / 8)
     assert s.gradients == int(4 * adapters / 8) and s.optimizer_states == int(8 * adapters / 8)
 
@@ -78,9 +77,9 @@ def test_cpu_offload_moves_every_sharded_state_to_the_host() -> None:
     on_gpu, offloaded = states(fsdp2()), states(fsdp2(offload=Offload.CPU))
     assert (offloaded.parameters, offloaded.gradients, offloaded.optimizer_states) == (0, 0, 0)
     assert offloaded.cpu_per_rank == on_gpu.parameters + on_gpu.gradients + on_gpu.optimizer_states
-    step = fsdp2_step(SHAPE, StaticSetup.of(fsdp2(offload=Offload.CPU)), LORA.rank, LORA.targets)
+    step = fsdp2_step(SHAPE, StaticSetup.of(fsdp2(offload=Offload.CPU)), LORA.adapters)
     assert step.layer_sharded_gradient == step.root_sharded_gradient == 0  # copied to the host when reduced
-    gathered = fsdp2_step(SHAPE, StaticSetup.of(fsdp2()), LORA.rank, LORA.targets)
+    gathered = fsdp2_step(SHAPE, StaticSetup.of(fsdp2()), LORA.adapters)
     assert step.root == gathered.root  # still gathered on the GPU
     static = static_memory(SHAPE, StaticSetup.of(fsdp2(offload=Offload.CPU)), LORA)
     assert static.cpu_per_node >= 8 * offloaded.cpu_per_rank
@@ -95,8 +94,8 @@ def _peak(strategy: Strategy, seq: int = 2048) -> tuple[int, int]:
 
 
 def test_keeping_parameters_gathered_holds_every_layer_at_the_loss() -> None:
-    groups = fsdp2_groups(SHAPE, Method.FULL, LORA.rank, LORA.targets)
-    keep, reshard = (fsdp2_step(SHAPE, StaticSetup.of(s), 16, LORA.targets) for s in (fsdp2(stage=2), fsdp2()))
+    groups = fsdp2_groups(SHAPE, Method.FULL, LORA.adapters)
+    keep, reshard = (fsdp2_step(SHAPE, StaticSetup.of(s), LORA.adapters) for s in (fsdp2(stage=2), fsdp2()))
     assert keep.layer == reshard.layer == 2 * groups.layer
     acts = estimate_activations(SHAPE, activation_setup(SHAPE, fsdp2(), 2048, LORA))
     at_loss_keep, at_loss_reshard = keep.moments(acts, False)[0], reshard.moments(acts, False)[0]
@@ -105,18 +104,20 @@ def test_keeping_parameters_gathered_holds_every_layer_at_the_loss() -> None:
 
 
 def test_the_root_group_is_the_embedding_the_final_norm_and_the_head() -> None:
-    g = fsdp2_groups(SHAPE, Method.FULL, 16, LORA.targets)
+    g = fsdp2_groups(SHAPE, Method.FULL, LORA.adapters)
     assert g.root == 2 * SHAPE.vocab_size * SHAPE.hidden_size + SHAPE.hidden_size
     assert g.root + SHAPE.num_layers * g.layer == P
-    lora = fsdp2_groups(SHAPE, Method.LORA, 16, LORA.targets)
-    assert lora.root_trained == 0 and lora.layers * lora.layer_trained == SHAPE.lora_parameters(16, LORA.targets)
+    lora = fsdp2_groups(SHAPE, Method.LORA, LORA.adapters)
+    assert lora.root_trained == 0 and lora.layers * lora.layer_trained == SHAPE.lora_parameters(
+        16, LORA.adapters.targets
+    )
 
 
 def test_the_roots_reduce_scatter_is_counted_at_the_end_of_the_backward() -> None:
     """fp32 reduction: the root's bf16 gradients and their fp32 reduce-scatter input, 6 bytes per root
     parameter, on top of every layer's sharded gradient."""
-    step = fsdp2_step(SHAPE, StaticSetup.of(fsdp2()), 16, LORA.targets)
-    g = fsdp2_groups(SHAPE, Method.FULL, 16, LORA.targets)
+    step = fsdp2_step(SHAPE, StaticSetup.of(fsdp2()), LORA.adapters)
+    g = fsdp2_groups(SHAPE, Method.FULL, LORA.adapters)
     acts = estimate_activations(SHAPE, activation_setup(SHAPE, fsdp2(), 1, LORA))
     end = step.moments(acts, False)[-1]
     assert end.gradients == 6 * g.root + SHAPE.num_layers * (4 * g.layer // 8)
@@ -182,10 +183,10 @@ def test_seventy_billion_qlora_fits_two_24_gb_gpus_only_sharded_by_fsdp2() -> No
     assert chosen is not None and chosen.strategy.method == Method.QLORA and chosen.strategy.engine == Engine.FSDP2
     assert chosen.fits and chosen.memory.per_gpu.total <= chosen.gpu_memory_bytes
     s = chosen.strategy
-    split = trainable_split(shape, Method.QLORA, LORA.rank, LORA.targets)
+    split = trainable_split(shape, Method.QLORA, LORA.adapters)
     sharded = split.frozen_unquantized * 2 + packed_bytes(split.frozen_quantized) + split.trainable * 2  # bf16
     quant_states = replicated_quant_states(shape, Method.QLORA)
-    assert model_states(shape, s, LORA.rank, LORA.targets).parameters == int(sharded / 2) + quant_states
+    assert model_states(shape, s, LORA.adapters).parameters == int(sharded / 2) + quant_states
     assert 2 * packed_bytes(shape.quantizable_parameters) > chosen.gpu_memory_bytes  # whole, it fits no GPU
     print(f"{s.summary()}: {chosen.memory.per_gpu}")
 
@@ -226,7 +227,7 @@ def test_every_plan_of_a_chunked_loss_fsdp2_search_has_its_own_strategys_memory(
     )
     result = plan_job(spec, INVENTORY)
     shape = spec.model.architecture.shape()
-    lora = LoraSettings(spec.lora.rank, tuple(spec.lora.target_modules), spec.lora.dropout > 0)
+    lora = LoraSettings.of(spec.lora)
     plans = [*result.candidates, *result.rejected]
     assert any(p.strategy.chunked_loss for p in plans) and any(not p.strategy.chunked_loss for p in plans)
     for plan in plans:

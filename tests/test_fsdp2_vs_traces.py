@@ -19,8 +19,8 @@ import pytest
 from memfit.api.plan import Strategy
 from memfit.api.vocabulary import Attention, Engine, MasterWeights, Method, Offload, Optimizer, Precision
 from memfit.memory.activations import estimate_activations
-from memfit.memory.estimate import LoraSettings, activation_setup, peak_memory, static_memory
-from memfit.memory.setup import StaticSetup
+from memfit.memory.estimate import activation_setup, peak_memory, static_memory
+from memfit.memory.setup import Adapters, LoraSettings, StaticSetup
 from memfit.model_shape import ModelFamily, ModelShape
 
 pytest.importorskip("torch")
@@ -49,7 +49,7 @@ CASES: dict[str, dict[str, Any]] = {
     ),
     "lora fp32-masters reshard in-backward": dict(trainable=Method.LORA, optimizer_in_backward=True),
 }
-LORA = LoraSettings(16, ("all-linear",), True)
+LORA = LoraSettings(Adapters(16, ("all-linear",)), True)
 SEQ = 64
 
 

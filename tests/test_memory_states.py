@@ -14,6 +14,7 @@ from memfit.api.plan import Strategy
 from memfit.catalog.models import MODEL_PRESETS
 from memfit.memory.engines.deepspeed import zero3_working_set
 from memfit.memory.estimate import model_states
+from memfit.memory.setup import NO_ADAPTERS, Adapters
 from memfit.memory.sizes import NF4_BYTES_PER_PARAMETER
 from memfit.memory.states import (
     EIGHT_BIT_MIN_SIZE,
@@ -46,7 +47,7 @@ def strategy(
 def paper_bytes_per_parameter(stage: int, gpus: int) -> float:
     """Our weights + 16-bit gradients + optimizer states per parameter, without what the paper leaves
     out: the fp32 gradient partition of the step and ZeRO-3's gathered working set."""
-    states = model_states(SHAPE, strategy(stage, gpus), 0, ())
+    states = model_states(SHAPE, strategy(stage, gpus), NO_ADAPTERS)
     extra = (zero3_working_set(SHAPE) + SHAPE.largest_layer_parameters) * 2 if stage == 3 else 0
     return (states.parameters + states.gradients + states.optimizer_states - extra) / P
 
@@ -74,7 +75,7 @@ def test_zero_paper_table_1(model: str, stage: int) -> None:
 
 def test_qlora_keeps_the_base_in_4_bits_and_the_rest_in_the_compute_dtype() -> None:
     shape = MODEL_PRESETS["llama-3.1-8b"]
-    states = model_states(shape, strategy(0, 1, method="qlora"), 16, ("all-linear",))
+    states = model_states(shape, strategy(0, 1, method="qlora"), Adapters(16, ("all-linear",)))
     adapters = shape.lora_parameters(16, ("all-linear",))
     unquantized = shape.parameter_count - shape.quantizable_parameters  # embeddings, LM head, norms
     expected = shape.quantizable_parameters * NF4_BYTES_PER_PARAMETER + (unquantized + adapters) * 2
@@ -84,7 +85,7 @@ def test_qlora_keeps_the_base_in_4_bits_and_the_rest_in_the_compute_dtype() -> N
 
 
 def test_lora_trains_only_adapters() -> None:
-    states = model_states(SHAPE, strategy(0, 1, method="lora"), 8, ("q_proj", "v_proj"))
+    states = model_states(SHAPE, strategy(0, 1, method="lora"), Adapters(8, ("q_proj", "v_proj")))
     adapters = SHAPE.num_layers * 8 * (2 * (4096 + 4096))
     assert states.gradients == adapters * 2
     assert states.optimizer_states == adapters * 12
@@ -108,7 +109,7 @@ LLAMA3 = MODEL_PRESETS["llama-3.1-8b"]
 def test_bf16_masters_bytes_per_parameter(
     stage: int, weights: float, gradients: float, step: float | None, optimizer: float
 ) -> None:
-    s = model_states(SHAPE, strategy(stage, 8, master_weights="bf16"), 0, ())
+    s = model_states(SHAPE, strategy(stage, 8, master_weights="bf16"), NO_ADAPTERS)
     assert s.parameters == P * weights
     assert s.gradients == int(P * gradients)
     assert s.optimizer_states == int(P * optimizer)
@@ -118,11 +119,13 @@ def test_bf16_masters_bytes_per_parameter(
 
 def test_bf16_masters_halve_masters_moments_and_the_step_gradient_against_fp32() -> None:
     for stage in (1, 2, 3):
-        fp32 = model_states(SHAPE, strategy(stage, 8), 0, ())
-        bf16 = model_states(SHAPE, strategy(stage, 8, master_weights="bf16"), 0, ())
+        fp32 = model_states(SHAPE, strategy(stage, 8), NO_ADAPTERS)
+        bf16 = model_states(SHAPE, strategy(stage, 8, master_weights="bf16"), NO_ADAPTERS)
         assert bf16.optimizer_states == pytest.approx(fp32.optimizer_states / 2, abs=1)
         assert (bf16.parameters, bf16.gradients) == (fp32.parameters, fp32.gradients)
-        lion = [model_states(SHAPE, strategy(stage, 8, optimizer="lion", master_weights=m), 0, ()) for m in MASTERS]
+        lion = [
+            model_states(SHAPE, strategy(stage, 8, optimizer="lion", master_weights=m), NO_ADAPTERS) for m in MASTERS
+        ]
         assert lion[1].optimizer_states == pytest.approx(lion[0].optimizer_states / 2, abs=1)
 
 
@@ -132,10 +135,10 @@ MASTERS = ("fp32", "bf16")
 def test_bf16_masters_zero0_steps_the_weights_themselves() -> None:
     """No master copy and no gradient partition at ZeRO-0; DeepSpeed's clipping copies one gradient to fp32
     at a time (the largest: the embedding)."""
-    s = model_states(SHAPE, strategy(0, 8, master_weights="bf16"), 0, ())
+    s = model_states(SHAPE, strategy(0, 8, master_weights="bf16"), NO_ADAPTERS)
     assert s.optimizer_states == 4 * P  # two bf16 moments
     assert s.step_gradients == 4 * SHAPE.embedding_parameters
-    adafactor = model_states(SHAPE, strategy(0, 8, optimizer="adafactor", master_weights="bf16"), 0, ())
+    adafactor = model_states(SHAPE, strategy(0, 8, optimizer="adafactor", master_weights="bf16"), NO_ADAPTERS)
     assert adafactor.step_gradients == 8 * SHAPE.embedding_parameters  # grad.float() and p.float()
 
 
@@ -143,25 +146,25 @@ def test_bf16_masters_step_transient_is_the_larger_of_partition_and_fp64_norm_pi
     """Llama 3.1 8B on 8 GPUs, ZeRO-2: the 525M-element embedding's fp64 copy for the gradient norm (4.2 GB)
     outgrows the bf16 partition (2 GB); under ZeRO-3 the piece is the embedding's partition."""
     p = LLAMA3.parameter_count
-    zero2 = model_states(LLAMA3, strategy(2, 8, master_weights="bf16"), 0, ())
+    zero2 = model_states(LLAMA3, strategy(2, 8, master_weights="bf16"), NO_ADAPTERS)
     assert zero2.step_gradients == 8 * LLAMA3.embedding_parameters > 2 * p / 8
-    zero3 = model_states(LLAMA3, strategy(3, 8, master_weights="bf16"), 0, ())
+    zero3 = model_states(LLAMA3, strategy(3, 8, master_weights="bf16"), NO_ADAPTERS)
     assert zero3.step_gradients == int(max(2 * p / 8, 8 * LLAMA3.embedding_parameters / 8))
 
 
 def test_bf16_masters_need_bf16_precision_to_change_anything() -> None:
     """A conflicting strategy (refused by the rule table) is still counted as fp32 masters, never as less."""
-    fp16 = model_states(SHAPE, strategy(2, 8, precision="fp16", master_weights="bf16"), 0, ())
-    assert fp16 == model_states(SHAPE, strategy(2, 8, precision="fp16"), 0, ())
+    fp16 = model_states(SHAPE, strategy(2, 8, precision="fp16", master_weights="bf16"), NO_ADAPTERS)
+    assert fp16 == model_states(SHAPE, strategy(2, 8, precision="fp16"), NO_ADAPTERS)
 
 
 def test_trainable_tensors_add_up_to_the_trainable_parameters() -> None:
     for shape in MODEL_PRESETS.values():
         for method in ("full", "lora", "qlora"):
-            tensors = trainable_tensors(shape, method, 16, ("all-linear",))
+            tensors = trainable_tensors(shape, method, Adapters(16, ("all-linear",)))
             total = sum(math.prod(t) * n for t, n in tensors)
-            assert total == trainable_split(shape, method, 16, ("all-linear",)).trainable
-    mixtral = dict(trainable_tensors(MODEL_PRESETS["mixtral-8x7b"], "full", 0, ()))
+            assert total == trainable_split(shape, method, Adapters(16, ("all-linear",))).trainable
+    mixtral = dict(trainable_tensors(MODEL_PRESETS["mixtral-8x7b"], "full", NO_ADAPTERS))
     assert mixtral[(8, 2 * 14336, 4096)] == mixtral[(8, 4096, 14336)] == 32  # transformers' fused experts, per layer
 
 
@@ -172,30 +175,30 @@ def test_8bit_adam_keeps_32_bit_states_below_min_8bit_size() -> None:
     """bitsandbytes: a tensor under 4096 elements gets two fp32 states; larger ones two uint8 states and an
     fp32 absmax per 256-element block each, plus the two 256-value quantization maps. ZeRO-0 steps each
     tensor; ZeRO-1/2/3 one flat partition."""
-    tensors = [math.prod(t) for t, n in trainable_tensors(TINY, "full", 0, ()) for _ in range(n)]
+    tensors = [math.prod(t) for t, n in trainable_tensors(TINY, "full", NO_ADAPTERS) for _ in range(n)]
     small = sum(numel for numel in tensors if numel < EIGHT_BIT_MIN_SIZE)
     large = [numel for numel in tensors if numel >= EIGHT_BIT_MIN_SIZE]
     expected = 8 * small + sum(2 * n + 8 * math.ceil(n / 256) for n in large) + QUANTILE_MAP_BYTES
-    s = model_states(TINY, strategy(0, 2, optimizer="adamw8bit", master_weights="bf16"), 0, ())
+    s = model_states(TINY, strategy(0, 2, optimizer="adamw8bit", master_weights="bf16"), NO_ADAPTERS)
     assert s.optimizer_states == expected
     flat = TINY.parameter_count / 2
-    zero2 = model_states(TINY, strategy(2, 2, optimizer="adamw8bit", master_weights="bf16"), 0, ())
+    zero2 = model_states(TINY, strategy(2, 2, optimizer="adamw8bit", master_weights="bf16"), NO_ADAPTERS)
     assert zero2.optimizer_states == int(2 * flat + 2 * flat + 8 * math.ceil(flat / 256) + QUANTILE_MAP_BYTES)
 
 
 def test_paged_states_are_host_memory_and_only_for_tensors_of_1e5_elements() -> None:
     """paged_adamw8bit: state1/state2 of tensors of at least 1e5 elements are CUDA managed memory (counted in
     cpu_per_rank, not on the GPU); their absmaxes and every smaller tensor's states stay on the GPU."""
-    targets = ("all-linear",)
-    paged = model_states(LLAMA3, strategy(0, 1, method="lora", optimizer="paged_adamw8bit"), 16, targets)
-    plain = model_states(LLAMA3, strategy(0, 1, method="lora", optimizer="adamw8bit"), 16, targets)
-    tensors = [math.prod(t) for t, n in trainable_tensors(LLAMA3, "lora", 16, targets) for _ in range(n)]
+    adapters = Adapters(16, ("all-linear",))
+    paged = model_states(LLAMA3, strategy(0, 1, method="lora", optimizer="paged_adamw8bit"), adapters)
+    plain = model_states(LLAMA3, strategy(0, 1, method="lora", optimizer="adamw8bit"), adapters)
+    tensors = [math.prod(t) for t, n in trainable_tensors(LLAMA3, "lora", adapters) for _ in range(n)]
     managed = sum(2 * n for n in tensors if n >= PAGED_MIN_SIZE)
     # rank 16 on hidden 4096: A and B of q/k/v/o (65536, 16384 elements) stay; the MLP's (229376) are paged
     assert 0 < managed < sum(2 * n for n in tensors)
     assert paged.cpu_per_rank == managed
     assert paged.optimizer_states == plain.optimizer_states - managed
-    zero2 = model_states(LLAMA3, strategy(2, 8, optimizer="paged_adamw8bit"), 0, ())
+    zero2 = model_states(LLAMA3, strategy(2, 8, optimizer="paged_adamw8bit"), NO_ADAPTERS)
     assert zero2.cpu_per_rank == int(2 * LLAMA3.parameter_count / 8)  # one flat partition: all paged
     assert (
         zero2.optimizer_states
@@ -206,9 +209,9 @@ def test_paged_states_are_host_memory_and_only_for_tensors_of_1e5_elements() -> 
 def test_adafactor_factors_only_what_it_sees_as_matrices() -> None:
     """ZeRO-0: row and column means of each matrix, a full second moment of each vector, an RMS per tensor.
     ZeRO-1/2/3 hand it a flat 1-d partition: a full fp32 second moment, as big as Lion's momentum."""
-    zero0 = model_states(SHAPE, strategy(0, 8, optimizer="adafactor"), 0, ())
+    zero0 = model_states(SHAPE, strategy(0, 8, optimizer="adafactor"), NO_ADAPTERS)
     assert zero0.optimizer_states < 4.01 * P  # fp32 masters + a factored second moment
-    zero2 = model_states(SHAPE, strategy(2, 8, optimizer="adafactor"), 0, ())
+    zero2 = model_states(SHAPE, strategy(2, 8, optimizer="adafactor"), NO_ADAPTERS)
     assert zero2.optimizer_states == int(4 * P / 8 + 4 * P / 8 + 4)
 
 
@@ -234,7 +237,7 @@ def test_fp32_masters_reproduce_the_previous_model_exactly() -> None:
         shape = MODEL_PRESETS[preset]
         s = strategy(stage, gpus, offload, method=method, precision=precision, optimizer=optimizer)
         before = BEFORE["/".join(map(str, (preset, method, stage, gpus, offload, precision, optimizer)))]
-        assert list(dataclasses.astuple(model_states(shape, s, 16, ("all-linear",)))) == before, s.summary()
+        assert list(dataclasses.astuple(model_states(shape, s, Adapters(16, ("all-linear",))))) == before, s.summary()
 
 
 def test_8bit_states_moved_not_lost_against_the_previous_model() -> None:
@@ -243,5 +246,8 @@ def test_8bit_states_moved_not_lost_against_the_previous_model() -> None:
     for stage in (0, 2):
         for name in ("adamw8bit", "paged_adamw8bit"):
             s = strategy(stage, 8, optimizer=name)
-            now, before = model_states(SHAPE, s, 0, ()), BEFORE[f"llama-2-7b/full/{stage}/8/none/bf16/{name}/rank0"]
+            now, before = (
+                model_states(SHAPE, s, NO_ADAPTERS),
+                BEFORE[f"llama-2-7b/full/{stage}/8/none/bf16/{name}/rank0"],
+            )
             assert now.optimizer_states + now.cpu_per_rank - before[3] == pytest.approx(QUANTILE_MAP_BYTES, abs=8)

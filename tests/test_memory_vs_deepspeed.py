@@ -6,6 +6,7 @@ import pytest
 
 from memfit.api.plan import Strategy
 from memfit.memory.estimate import model_states
+from memfit.memory.setup import NO_ADAPTERS
 from tests.test_memory_states import ANCHORS, SHAPE, P, strategy
 
 pytest.importorskip("deepspeed")
@@ -14,7 +15,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem
 
 
 def gpu_states(s: Strategy) -> int:
-    states = model_states(SHAPE, s, 0, ())
+    states = model_states(SHAPE, s, NO_ADAPTERS)
     return states.parameters + states.gradients + states.step_gradients + states.optimizer_states
 
 

@@ -21,8 +21,8 @@ from memfit.contract.engines import Fsdp2EngineSection
 from memfit.contract.trainer_config import TrainerConfig
 from memfit.memory.activations import estimate_activations
 from memfit.memory.engines.fsdp2 import fsdp2_groups, fsdp2_step
-from memfit.memory.estimate import LoraSettings, activation_setup, model_states, peak_memory, static_memory
-from memfit.memory.setup import StaticSetup
+from memfit.memory.estimate import activation_setup, model_states, peak_memory, static_memory
+from memfit.memory.setup import Adapters, LoraSettings, StaticSetup
 from memfit.planner.search import plan_job
 from memfit.render.deepspeed import deepspeed_config
 from memfit.render.trainer_config import render_trainer_config
@@ -31,7 +31,7 @@ from tests.trainer.runs import make_config
 
 UNCLIPPED = {"globalBatchSize": 8, "sequenceLength": 2048, "maxGradNorm": 0.0}
 SHAPE = MODEL_PRESETS["llama-2-7b"]
-LORA = LoraSettings(16, ("all-linear",), True)
+LORA = LoraSettings(Adapters(16, ("all-linear",)), True)
 
 
 def _spec(training: dict[str, Any] | None = None, **strategy: Any) -> FineTuneJobSpec:
@@ -161,21 +161,21 @@ def _fsdp2(**kw: Any) -> Strategy:
 
 
 def test_only_one_groups_sharded_gradient_stays() -> None:
-    groups = fsdp2_groups(SHAPE, Method.FULL, LORA.rank, LORA.targets)
-    plain = model_states(SHAPE, _fsdp2(), LORA.rank, LORA.targets)
-    stepped = model_states(SHAPE, _fsdp2(optimizer_in_backward=True), LORA.rank, LORA.targets)
+    groups = fsdp2_groups(SHAPE, Method.FULL, LORA.adapters)
+    plain = model_states(SHAPE, _fsdp2(), LORA.adapters)
+    stepped = model_states(SHAPE, _fsdp2(optimizer_in_backward=True), LORA.adapters)
     assert stepped.gradients == int(4 * max(groups.root_trained, groups.layer_trained) / 8) < plain.gradients
     assert (stepped.parameters, stepped.optimizer_states) == (plain.parameters, plain.optimizer_states)
     offloaded = model_states(SHAPE, _fsdp2(optimizer_in_backward=True, offload_optimizer=Offload.CPU,
-                                           offload_parameters=Offload.CPU), LORA.rank, LORA.targets)  # fmt: skip
+                                           offload_parameters=Offload.CPU), LORA.adapters)  # fmt: skip
     assert offloaded.cpu_per_rank == plain.parameters + stepped.gradients + plain.optimizer_states
 
 
 def test_no_sharded_gradient_outlives_its_groups_post_backward() -> None:
     strategy = _fsdp2(gradient_checkpointing=True)
-    plain = fsdp2_step(SHAPE, StaticSetup.of(strategy), LORA.rank, LORA.targets)
+    plain = fsdp2_step(SHAPE, StaticSetup.of(strategy), LORA.adapters)
     in_backward = StaticSetup.of(dataclasses.replace(strategy, optimizer_in_backward=True))
-    stepped = fsdp2_step(SHAPE, in_backward, LORA.rank, LORA.targets)
+    stepped = fsdp2_step(SHAPE, in_backward, LORA.adapters)
     acts = estimate_activations(SHAPE, activation_setup(SHAPE, strategy, 2048, LORA))
     before, after = plain.moments(acts, False), stepped.moments(acts, False)
     first_layer, root_reduce = 4, 6

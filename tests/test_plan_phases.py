@@ -14,8 +14,8 @@ from memfit.api.plan import PlanCandidate, PlanMemory
 from memfit.api.vocabulary import StepPhase
 from memfit.cli.plan_table import print_plan_table
 from memfit.memory.activations import estimate_activations
-from memfit.memory.estimate import LoraSettings, activation_setup, peak_memory, static_memory, step_total
-from memfit.memory.setup import StaticSetup
+from memfit.memory.estimate import activation_setup, peak_memory, static_memory, step_total
+from memfit.memory.setup import Adapters, LoraSettings, StaticSetup
 from memfit.planner.search import plan_job
 from memfit.units import GIB
 from tests.planning_fixtures import A100_NODE, job
@@ -45,7 +45,9 @@ def test_activations_are_the_forward_backward_ones_when_the_optimizer_step_binds
     plan = zero3_7b()
     memory = plan.memory
     assert memory.binding == StepPhase.OPTIMIZER_STEP and memory.phases is not None
-    setup = activation_setup(ZERO3_7B.model.architecture.shape(), plan.strategy, 2048, LoraSettings(16, (), True))
+    setup = activation_setup(
+        ZERO3_7B.model.architecture.shape(), plan.strategy, 2048, LoraSettings(Adapters(16, ()), True)
+    )
     estimate = estimate_activations(ZERO3_7B.model.architecture.shape(), setup)
     assert memory.per_gpu.activations == memory.phases.forward_backward.activations
     assert memory.per_gpu.activations > 0
@@ -121,7 +123,7 @@ def test_the_searchs_fast_total_is_the_breakdowns_total() -> None:
     for preset, method in shapes.items():
         spec = job(preset, method, batch=16, sequence=1024)
         shape = spec.model.architecture.shape()
-        lora = LoraSettings(16, ("all-linear",), True)
+        lora = LoraSettings(Adapters(16, ("all-linear",)), True)
         result = plan_job(spec, [A100_NODE])
         for candidate in [*result.candidates, *result.rejected]:
             strategy = candidate.strategy

@@ -27,6 +27,7 @@ import pytest
 
 from memfit.memory.engines.deepspeed import zero3_working_set
 from memfit.memory.estimate import model_states
+from memfit.memory.setup import Adapters
 from memfit.memory.sizes import FP64
 from memfit.memory.states import ModelStates, largest_trainable_tensor, trainable_split
 from tests.deepspeed_allocations import SHAPES, WORLD_SIZE, Case
@@ -53,7 +54,7 @@ CASES = [
     Case("llama", 0, method="qlora"),
     Case("llama", 2, method="qlora", optimizer="adamw8bit"),
 ]
-LORA_RANK, LORA_TARGETS = 8, ("all-linear",)
+ADAPTERS = Adapters(8, ("all-linear",))
 TERMS = ("weights", "gradients", "step_gradients", "optimizer_states")
 
 
@@ -73,7 +74,7 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, An
 
 
 def states(case: Case) -> ModelStates:
-    return model_states(SHAPES[case.family], case.strategy(), LORA_RANK, LORA_TARGETS)
+    return model_states(SHAPES[case.family], case.strategy(), ADAPTERS)
 
 
 def expected(case: Case) -> dict[str, int]:
@@ -149,7 +150,7 @@ def test_the_norm_copies_the_largest_piece_to_fp64(measured: dict[str, dict[str,
     under ZeRO-1/2 here (a 16512-element embedding in a 53536-element partition): the step's transient."""
     case = Case("llama", 2)
     r, shape = measured[case.name], SHAPES["llama"]
-    largest = largest_trainable_tensor(shape, case.method, LORA_RANK, LORA_TARGETS)
+    largest = largest_trainable_tensor(shape, case.method, ADAPTERS)
     assert r["norm_peak"] == pytest.approx(FP64 * largest, abs=64)
     assert r["norm_peak"] > r["step_gradients"] == 2 * shape.parameter_count // WORLD_SIZE
     assert states(case).step_gradients == FP64 * largest
@@ -162,7 +163,7 @@ def test_adafactor_upcasts_bf16_masters(measured: dict[str, dict[str, Any]]) -> 
         measured[Case("qwen2", 2, optimizer="adafactor").name],
         measured[Case("qwen2", 2, master_weights="fp32", optimizer="adafactor").name],
     )
-    partition = trainable_split(SHAPES["qwen2"], "full", LORA_RANK, LORA_TARGETS).trainable // WORLD_SIZE
+    partition = trainable_split(SHAPES["qwen2"], "full", ADAPTERS).trainable // WORLD_SIZE
     assert bf16["optimizer_step_peak"] - fp32["optimizer_step_peak"] == pytest.approx(8 * partition, abs=64)
     case = Case("qwen2", 2, optimizer="adafactor")
     assert states(case).step_gradients == (2 + 8) * partition
@@ -180,8 +181,8 @@ def test_gradients(case: Case, measured: dict[str, dict[str, Any]]) -> None:
     got, want = measured[case.name]["gradients"], expected(case)["gradients"]
     if case.zero_stage in (1, 2):
         shape = SHAPES[case.family]
-        partition = 2 * trainable_split(shape, case.method, LORA_RANK, LORA_TARGETS).trainable // WORLD_SIZE
-        straddling = 2 * 2 * largest_trainable_tensor(shape, case.method, LORA_RANK, LORA_TARGETS)
+        partition = 2 * trainable_split(shape, case.method, ADAPTERS).trainable // WORLD_SIZE
+        straddling = 2 * 2 * largest_trainable_tensor(shape, case.method, ADAPTERS)
         assert partition <= got <= partition + straddling
         assert want >= partition
     else:

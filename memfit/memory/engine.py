@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from memfit.memory.activations import ActivationEstimate
-from memfit.memory.setup import StaticSetup
+from memfit.memory.setup import Adapters, StaticSetup
 from memfit.memory.states import ModelStates
 from memfit.model_shape import ModelShape
 
@@ -46,9 +46,7 @@ class ForwardBackward(Protocol):
 class EngineMemory(Protocol):
     """The memory facts that differ between training engines."""
 
-    def model_states(
-        self, shape: ModelShape, setup: StaticSetup, lora_rank: int, lora_targets: tuple[str, ...]
-    ) -> ModelStates:
+    def model_states(self, shape: ModelShape, setup: StaticSetup, adapters: Adapters) -> ModelStates:
         """One rank's weights, gradients and optimizer states."""
         ...
 
@@ -65,12 +63,7 @@ class EngineMemory(Protocol):
         ...
 
     def forward_backward(
-        self,
-        shape: ModelShape,
-        setup: StaticSetup,
-        lora_rank: int,
-        lora_targets: tuple[str, ...],
-        states: ModelStates,
+        self, shape: ModelShape, setup: StaticSetup, adapters: Adapters, states: ModelStates
     ) -> ForwardBackward:
         """The forward and backward passes' buffers of ``setup``, whose model states are ``states``."""
         ...

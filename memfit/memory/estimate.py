@@ -28,7 +28,7 @@ from memfit.memory.activations import ActivationEstimate, ActivationSetup
 from memfit.memory.engine import ForwardBackward
 from memfit.memory.engines import ENGINE_MEMORY
 from memfit.memory.overhead import FRAGMENTATION, runtime_bytes
-from memfit.memory.setup import StaticSetup
+from memfit.memory.setup import Adapters, LoraSettings, StaticSetup
 from memfit.memory.sizes import compute_bytes
 from memfit.memory.states import ModelStates, trainable_split
 from memfit.model_shape import ModelShape
@@ -37,13 +37,6 @@ from memfit.units import GIB
 HOST_BYTES_PER_RANK = 3 * GIB
 """CPU memory of one trainer process besides offloaded states: Python, torch, CUDA host state, data
 loading workers."""
-
-
-@dataclass(frozen=True)
-class LoraSettings:
-    rank: int
-    targets: tuple[str, ...]
-    dropout: bool
 
 
 _activation_record = lru_cache(maxsize=4096)(ActivationSetup)
@@ -66,7 +59,7 @@ def activation_setup(
 ) -> ActivationSetup:
     """The activation knobs of ``strategy``, with another micro-batch if given (the search tries several
     micro-batches per strategy, and a record is cheaper to build than a strategy)."""
-    adapters = strategy.method != Method.FULL
+    with_adapters = strategy.method != Method.FULL
     # Positional, in the fields' order: an interned call with keywords costs four times more.
     return _activation_record(
         strategy.method,
@@ -75,8 +68,8 @@ def activation_setup(
         micro_batch_size or strategy.micro_batch_size,
         sequence_length,
         strategy.attention,
-        lora.rank if adapters else 0,
-        _lora_targets(shape, lora.targets) if adapters else frozenset(),
+        lora.adapters.rank if with_adapters else 0,
+        _lora_targets(shape, lora.adapters.targets) if with_adapters else frozenset(),
         lora.dropout,
         compute_bytes(strategy.precision),  # adapter_bytes: the trainer casts the adapters to it (model.py)
         strategy.chunked_loss,
@@ -85,9 +78,9 @@ def activation_setup(
     )
 
 
-def model_states(shape: ModelShape, strategy: Strategy, lora_rank: int, lora_targets: tuple[str, ...]) -> ModelStates:
+def model_states(shape: ModelShape, strategy: Strategy, adapters: Adapters) -> ModelStates:
     """Weights, gradients and optimizer states of one rank for ``strategy``, on its engine."""
-    return ENGINE_MEMORY[strategy.engine].model_states(shape, StaticSetup.of(strategy), lora_rank, lora_targets)
+    return ENGINE_MEMORY[strategy.engine].model_states(shape, StaticSetup.of(strategy), adapters)
 
 
 def loaded_on_host(shape: ModelShape, setup: StaticSetup) -> int:
@@ -130,9 +123,9 @@ class StaticMemory:
 
 
 def static_memory(shape: ModelShape, setup: StaticSetup, lora: LoraSettings) -> StaticMemory:
-    engine = ENGINE_MEMORY[setup.engine]
-    states = engine.model_states(shape, setup, lora.rank, lora.targets)
-    trainable = trainable_split(shape, setup.method, lora.rank, lora.targets).trainable
+    engine, adapters = ENGINE_MEMORY[setup.engine], lora.adapters
+    states = engine.model_states(shape, setup, adapters)
+    trainable = trainable_split(shape, setup.method, adapters).trainable
     cpu, nvme = host_memory_per_node(shape, setup, states)
     return StaticMemory(
         states=states,
@@ -143,7 +136,7 @@ def static_memory(shape: ModelShape, setup: StaticSetup, lora: LoraSettings) -> 
         nvme_per_node=nvme,
         ranks_per_node=setup.gpus_per_node,
         gradients_persist=engine.gradients_persist(setup),
-        forward_backward=engine.forward_backward(shape, setup, lora.rank, lora.targets, states),
+        forward_backward=engine.forward_backward(shape, setup, adapters, states),
     )
 
 

@@ -1,4 +1,5 @@
-"""The strategy knobs that decide a plan's static memory, as a record of their own.
+"""The strategy knobs that decide a plan's static memory, as a record of their own, and what trains on top of
+the model (:class:`Adapters`, :class:`LoraSettings`).
 
 The planner caches static memory per combination of knobs; keyed by this record, the cache cannot serve a
 strategy the static memory of another that differs in a knob the computation reads, as long as that
@@ -10,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from memfit.api.finetunejob import LoraSpec
 from memfit.api.plan import Strategy
 from memfit.api.vocabulary import Engine, MasterWeights, Offload, Optimizer, PlannedMethod, PlannedPrecision
 
@@ -59,3 +61,31 @@ class StaticSetup:
 _interned = lru_cache(maxsize=4096)(StaticSetup)
 """One record per distinct setup: a dictionary keyed by records then finds it by identity, without comparing
 field by field (the planner looks static memory up for every candidate it tries)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Adapters:
+    """The LoRA adapters trained on top of the model (LoRA and QLoRA; full fine-tuning reads neither field):
+    what the model states and the engines' buffers read of the job's ``lora`` section. Hashable, so that the
+    memory model's caches take it as one argument."""
+
+    rank: int
+    targets: tuple[str, ...]
+    """Target modules as the job names them (``all-linear`` or module names), unresolved."""
+
+
+NO_ADAPTERS = Adapters(0, ())
+"""For full fine-tuning, which trains the model's own parameters."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoraSettings:
+    """The job's ``lora`` section as the memory model reads it: the adapters, and whether dropout (which
+    keeps a mask and a dropped copy of each adapter input for the backward) is on."""
+
+    adapters: Adapters
+    dropout: bool
+
+    @classmethod
+    def of(cls, spec: LoraSpec) -> LoraSettings:
+        return cls(Adapters(spec.rank, tuple(spec.target_modules)), spec.dropout > 0)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from memfit.api.vocabulary import EIGHT_BIT_OPTIMIZERS, Method, Optimizer
+from memfit.memory.setup import Adapters
 from memfit.memory.sizes import FP32
 from memfit.model_shape import ModelShape
 
@@ -42,21 +43,19 @@ class TrainableSplit:
 
 
 @lru_cache(maxsize=256)
-def trainable_split(shape: ModelShape, method: Method, lora_rank: int, lora_targets: tuple[str, ...]) -> TrainableSplit:
+def trainable_split(shape: ModelShape, method: Method, adapters: Adapters) -> TrainableSplit:
     total = shape.parameter_count
     if method == Method.FULL:
         return TrainableSplit(total, total, 0, 0)
-    adapters = shape.lora_parameters(lora_rank, lora_targets)
+    added = shape.lora_parameters(adapters.rank, adapters.targets)
     if method == Method.QLORA:
         quantized = shape.quantizable_parameters
-        return TrainableSplit(total + adapters, adapters, quantized, total - quantized)
-    return TrainableSplit(total + adapters, adapters, 0, total)
+        return TrainableSplit(total + added, added, quantized, total - quantized)
+    return TrainableSplit(total + added, added, 0, total)
 
 
 @lru_cache(maxsize=256)
-def trainable_tensors(
-    shape: ModelShape, method: Method, lora_rank: int, lora_targets: tuple[str, ...]
-) -> tuple[tuple[tuple[int, ...], int], ...]:
+def trainable_tensors(shape: ModelShape, method: Method, adapters: Adapters) -> tuple[tuple[tuple[int, ...], int], ...]:
     """The shapes of the trained tensors, as ``transformers`` and ``peft`` build them, each with how many
     tensors have it (the layers repeat theirs: counted, not listed, whatever the depth).
 
@@ -82,10 +81,10 @@ def trainable_tensors(
             layer.append((w2.count, w2.out_features, w2.in_features))
         model = [(shape.vocab_size, h), (h,)] + ([] if shape.tie_word_embeddings else [(shape.vocab_size, h)])
         return _counted(model, layer, shape.num_layers)
-    targets = shape.resolve_lora_targets(lora_targets)
+    targets, rank = shape.resolve_lora_targets(adapters.targets), adapters.rank
     for m in shape.layer_linears:
         if m.name in targets:
-            layer += [(lora_rank, m.in_features), (m.out_features, lora_rank)] * m.count
+            layer += [(rank, m.in_features), (m.out_features, rank)] * m.count
     return _counted([], layer, shape.num_layers)
 
 
@@ -148,16 +147,11 @@ def _adafactor_bytes(tensor: tuple[int, ...]) -> int:
 
 @lru_cache(maxsize=1024)
 def _per_tensor_state_bytes(
-    shape: ModelShape,
-    method: Method,
-    lora_rank: int,
-    lora_targets: tuple[str, ...],
-    optimizer: Optimizer,
-    element_bytes: int,
+    shape: ModelShape, method: Method, adapters: Adapters, optimizer: Optimizer, element_bytes: int
 ) -> OptimizerStateBytes:
     device = paged = 0.0
     eight_bit = False
-    for tensor, count in trainable_tensors(shape, method, lora_rank, lora_targets):
+    for tensor, count in trainable_tensors(shape, method, adapters):
         if optimizer == Optimizer.ADAFACTOR:
             device += count * _adafactor_bytes(tensor)
             continue
@@ -171,8 +165,7 @@ def _per_tensor_state_bytes(
 def optimizer_state_bytes(
     shape: ModelShape,
     method: Method,
-    lora_rank: int,
-    lora_targets: tuple[str, ...],
+    adapters: Adapters,
     optimizer: Optimizer,
     element_bytes: int,
     partition: float | None,
@@ -182,7 +175,7 @@ def optimizer_state_bytes(
     optimizer updates (4: fp32 masters or fp32 training; 2: bf16 masters), the dtype of Adam's and Lion's
     states (``zeros_like(param)``)."""
     if partition is None:
-        return _per_tensor_state_bytes(shape, method, lora_rank, lora_targets, optimizer, element_bytes)
+        return _per_tensor_state_bytes(shape, method, adapters, optimizer, element_bytes)
     if optimizer == Optimizer.ADAFACTOR:
         return OptimizerStateBytes(FP32 * partition + ADAFACTOR_RMS_BYTES)  # 1-d: not factored
     states = _tensor_state_bytes(optimizer, partition, element_bytes)
@@ -214,6 +207,6 @@ class ModelStates:
 
 
 @lru_cache(maxsize=256)
-def largest_trainable_tensor(shape: ModelShape, method: Method, lora_rank: int, lora_targets: tuple[str, ...]) -> int:
+def largest_trainable_tensor(shape: ModelShape, method: Method, adapters: Adapters) -> int:
     """Elements of the largest trained tensor (the embedding or LM head in full fine-tuning)."""
-    return max(math.prod(t) for t, _ in trainable_tensors(shape, method, lora_rank, lora_targets))
+    return max(math.prod(t) for t, _ in trainable_tensors(shape, method, adapters))

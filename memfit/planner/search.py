@@ -50,14 +50,8 @@ from memfit.api.vocabulary import (
     Precision,
 )
 from memfit.memory.activations import ActivationEstimate, ActivationSetup, estimate_activations
-from memfit.memory.estimate import (
-    LoraSettings,
-    StaticMemory,
-    activation_setup,
-    static_memory,
-    step_total,
-)
-from memfit.memory.setup import StaticSetup
+from memfit.memory.estimate import StaticMemory, activation_setup, static_memory, step_total
+from memfit.memory.setup import LoraSettings, StaticSetup
 from memfit.model_shape import ModelShape
 from memfit.planner.advice import Untried, advise
 from memfit.planner.evaluated import Chosen, Evaluated, Fit, shortfall_ratio
@@ -228,7 +222,7 @@ def _search(spec: FineTuneJobSpec, capacities: list[PoolCapacity], exclude: Coll
     """Search every method on every pool. Master weights stay fp32 unless the spec pins them: bf16 masters
     change the numerics, so they are planned only where no plan fits with fp32 masters."""
     shape = spec.model.architecture.shape()
-    lora = LoraSettings(spec.lora.rank, tuple(spec.lora.target_modules), spec.lora.dropout > 0)
+    lora = LoraSettings.of(spec.lora)
     pinned = spec.strategy.master_weights
     masters = pinned or MasterWeights.FP32
     search = _search_methods(_Search(spec, shape, lora, frozenset(exclude), master_weights=masters), capacities)

@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 from memfit.api.plan import Strategy
 from memfit.api.vocabulary import Attention, Engine, MasterWeights, Method, Offload, Optimizer, Precision
 from memfit.memory.estimate import model_states
+from memfit.memory.setup import Adapters
 from tests.trainer.runs import MICRO_BATCH, TINY_LLAMA, WORLD_SIZE, make_config
 
 pytestmark = pytest.mark.distributed
@@ -104,7 +105,7 @@ def test_qlora_trains_only_adapters_and_holds_what_the_model_counts(tmp_path: Pa
     )
     results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
     lora = make_config(tmp_path, method="qlora").training.lora
-    states = model_states(TINY_LLAMA, _strategy(options), lora.rank, tuple(lora.target_modules))
+    states = model_states(TINY_LLAMA, _strategy(options), Adapters(lora.rank, tuple(lora.target_modules)))
     for result in results:
         losses = result["losses"]
         assert losses[-1] < losses[0] - 0.05, losses

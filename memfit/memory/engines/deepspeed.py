@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from memfit.api.vocabulary import MasterWeights, Method, Offload, Optimizer, Precision
 from memfit.memory.activations import ActivationEstimate
 from memfit.memory.engine import Moment
-from memfit.memory.setup import StaticSetup
+from memfit.memory.setup import Adapters, StaticSetup
 from memfit.memory.sizes import BF16, FP32, FP64, NF4_BYTES_PER_PARAMETER, compute_bytes
 from memfit.memory.states import (
     ELEMENTWISE_STATES,
@@ -70,7 +70,7 @@ def master_bytes(setup: StaticSetup) -> int:
     return FP32
 
 
-def bf16_step_transient(shape: ModelShape, setup: StaticSetup, lora_rank: int, lora_targets: tuple[str, ...]) -> float:
+def bf16_step_transient(shape: ModelShape, setup: StaticSetup, adapters: Adapters) -> float:
     """What exists only during the optimizer step with bf16 masters, beyond gradients, masters and states.
 
     ZeRO 1-3 flatten the rank's gradient partition for the optimizer (bf16: ``.to(master dtype)`` then copies
@@ -88,8 +88,8 @@ def bf16_step_transient(shape: ModelShape, setup: StaticSetup, lora_rank: int, l
     (the flat partition under ZeRO, one tensor at a time at ZeRO-0), 8 bytes per element. (Its update's own
     two fp32 temporaries, 8 bytes per element, exist with fp32 masters too, and like every optimizer's
     temporaries are not counted here.)"""
-    trainable = trainable_split(shape, setup.method, lora_rank, lora_targets).trainable
-    largest = largest_trainable_tensor(shape, setup.method, lora_rank, lora_targets)
+    trainable = trainable_split(shape, setup.method, adapters).trainable
+    largest = largest_trainable_tensor(shape, setup.method, adapters)
     upcasts = 2 * FP32 if setup.optimizer == Optimizer.ADAFACTOR else 0
     if setup.zero_stage == 0:
         return max(FP32, upcasts) * largest
@@ -98,11 +98,9 @@ def bf16_step_transient(shape: ModelShape, setup: StaticSetup, lora_rank: int, l
     return max((BF16 + upcasts) * partition, FP64 * piece)
 
 
-def zero_model_states(
-    shape: ModelShape, setup: StaticSetup, lora_rank: int, lora_targets: tuple[str, ...]
-) -> ModelStates:
+def zero_model_states(shape: ModelShape, setup: StaticSetup, adapters: Adapters) -> ModelStates:
     """Weights, gradients and optimizer states of one rank under ZeRO."""
-    split = trainable_split(shape, setup.method, lora_rank, lora_targets)
+    split = trainable_split(shape, setup.method, adapters)
     n = setup.gpus
     stage = setup.zero_stage
     w = compute_bytes(setup.precision)
@@ -123,16 +121,14 @@ def zero_model_states(
     if setup.optimizer in ELEMENTWISE_STATES:  # the same bytes per element in any tensor
         optimizer = split.trainable * (masters + ELEMENTWISE_STATES[setup.optimizer] * element_bytes) / shards
     else:
-        states = optimizer_state_bytes(
-            shape, setup.method, lora_rank, lora_targets, setup.optimizer, element_bytes,
-            split.trainable / n if stage >= 1 else None,
-        )  # fmt: skip
+        partition = split.trainable / n if stage >= 1 else None
+        states = optimizer_state_bytes(shape, setup.method, adapters, setup.optimizer, element_bytes, partition)
         optimizer = split.trainable * masters / shards + states.device
         paged = states.paged
     grads: float = split.trainable * trainable_bytes
     step_grads: float = split.trainable * masters / shards
     if bf16_masters:
-        step_grads = bf16_step_transient(shape, setup, lora_rank, lora_targets)
+        step_grads = bf16_step_transient(shape, setup, adapters)
     if stage >= 2:
         grads /= n
     # Under ZeRO-3 the module being reduced holds its full gradient before the reduce-scatter.
@@ -266,10 +262,8 @@ class ZeroForwardBackward:
 class DeepSpeedMemory:
     """:class:`memfit.memory.engine.EngineMemory` of DeepSpeed ZeRO."""
 
-    def model_states(
-        self, shape: ModelShape, setup: StaticSetup, lora_rank: int, lora_targets: tuple[str, ...]
-    ) -> ModelStates:
-        return zero_model_states(shape, setup, lora_rank, lora_targets)
+    def model_states(self, shape: ModelShape, setup: StaticSetup, adapters: Adapters) -> ModelStates:
+        return zero_model_states(shape, setup, adapters)
 
     def communication_buffers(self, shape: ModelShape, setup: StaticSetup, trainable: int) -> int:
         return communication_buffer_bytes(shape, setup, trainable)
@@ -287,11 +281,6 @@ class DeepSpeedMemory:
         return setup.zero_stage >= 2
 
     def forward_backward(
-        self,
-        shape: ModelShape,
-        setup: StaticSetup,
-        lora_rank: int,
-        lora_targets: tuple[str, ...],
-        states: ModelStates,
+        self, shape: ModelShape, setup: StaticSetup, adapters: Adapters, states: ModelStates
     ) -> ZeroForwardBackward:
         return ZeroForwardBackward(states.gradients, gradient_timeline(shape, setup.method, setup.precision))

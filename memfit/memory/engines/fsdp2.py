@@ -75,7 +75,7 @@ from dataclasses import dataclass
 from memfit.api.vocabulary import MasterWeights, Method, Offload, Precision
 from memfit.memory.activations import LOSS_BYTES_PER_LOGIT, ActivationEstimate
 from memfit.memory.engine import Moment
-from memfit.memory.setup import StaticSetup
+from memfit.memory.setup import Adapters, StaticSetup
 from memfit.memory.sizes import (
     BF16,
     FP32,
@@ -128,16 +128,16 @@ class Fsdp2Groups:
     layers: int
 
 
-def fsdp2_groups(shape: ModelShape, method: Method, lora_rank: int, lora_targets: tuple[str, ...]) -> Fsdp2Groups:
+def fsdp2_groups(shape: ModelShape, method: Method, adapters: Adapters) -> Fsdp2Groups:
     root = (
         shape.embedding_parameters + shape.hidden_size + (0 if shape.tie_word_embeddings else shape.lm_head_parameters)
     )
     layer = shape.layer_parameters
     if method == Method.FULL:
         return Fsdp2Groups(root, root, layer, 0, layer, shape.vocab_size * shape.hidden_size, shape.num_layers)
-    adapters = shape.lora_parameters(lora_rank, lora_targets) // shape.num_layers
+    added = shape.lora_parameters(adapters.rank, adapters.targets) // shape.num_layers
     quantized = shape.quantizable_parameters // shape.num_layers if method == Method.QLORA else 0
-    return Fsdp2Groups(root, 0, layer + adapters, quantized, adapters, 0, shape.num_layers)
+    return Fsdp2Groups(root, 0, layer + added, quantized, added, 0, shape.num_layers)
 
 
 def packed_bytes(quantized: int) -> int:
@@ -260,9 +260,9 @@ class Fsdp2Step:
         return self.binding(activations, grads_persist).total
 
 
-def fsdp2_step(shape: ModelShape, setup: StaticSetup, lora_rank: int, lora_targets: tuple[str, ...]) -> Fsdp2Step:
+def fsdp2_step(shape: ModelShape, setup: StaticSetup, adapters: Adapters) -> Fsdp2Step:
     """The buffers of :class:`Fsdp2Step` for ``setup`` (module docstring for the torch code)."""
-    g = fsdp2_groups(shape, setup.method, lora_rank, lora_targets)
+    g = fsdp2_groups(shape, setup.method, adapters)
     w = fsdp2_widths(setup.precision, setup.master_weights)
     n = setup.gpus
     c, r = w.gathered, w.reduce
@@ -288,13 +288,11 @@ def fsdp2_step(shape: ModelShape, setup: StaticSetup, lora_rank: int, lora_targe
     )
 
 
-def fsdp2_model_states(
-    shape: ModelShape, setup: StaticSetup, lora_rank: int, lora_targets: tuple[str, ...]
-) -> ModelStates:
+def fsdp2_model_states(shape: ModelShape, setup: StaticSetup, adapters: Adapters) -> ModelStates:
     """One rank's sharded parameters, gradients (all of them, as in the optimizer step; with the step in
     backward one group's) and optimizer states; with ``CPUOffloadPolicy`` all three on the host. The gathered
     working set is in :meth:`Fsdp2Step.moments`."""
-    split = trainable_split(shape, setup.method, lora_rank, lora_targets)
+    split = trainable_split(shape, setup.method, adapters)
     w = fsdp2_widths(setup.precision, setup.master_weights)
     n = setup.gpus
     frozen = split.frozen_unquantized * w.sharded_frozen + packed_bytes(split.frozen_quantized)
@@ -302,14 +300,12 @@ def fsdp2_model_states(
     quant_states = replicated_quant_states(shape, setup.method)
     grads = split.trainable * w.reduce / n
     if setup.optimizer_in_backward:  # what stays: one group's sharded gradient while its parameters step
-        g = fsdp2_groups(shape, setup.method, lora_rank, lora_targets)
+        g = fsdp2_groups(shape, setup.method, adapters)
         grads = max(g.root_trained, g.layer_trained) * w.reduce / n
     if setup.optimizer in ELEMENTWISE_STATES:  # zeros_like(sharded param): the shard's dtype
         optimizer = split.trainable * ELEMENTWISE_STATES[setup.optimizer] * w.sharded_trained / n
     else:  # per tensor on its local shard (Adafactor); bitsandbytes is refused on fsdp2
-        states = optimizer_state_bytes(
-            shape, setup.method, lora_rank, lora_targets, setup.optimizer, w.sharded_trained, None
-        )
+        states = optimizer_state_bytes(shape, setup.method, adapters, setup.optimizer, w.sharded_trained, None)
         optimizer = (states.device + states.paged) / n
     if setup.offload_parameters != Offload.NONE:
         return ModelStates(quant_states, 0, 0, 0, cpu_per_rank=int(weights + grads + optimizer), nvme_per_rank=0)
@@ -326,10 +322,8 @@ def fsdp2_model_states(
 class Fsdp2Memory:
     """:class:`memfit.memory.engine.EngineMemory` of PyTorch FSDP2."""
 
-    def model_states(
-        self, shape: ModelShape, setup: StaticSetup, lora_rank: int, lora_targets: tuple[str, ...]
-    ) -> ModelStates:
-        return fsdp2_model_states(shape, setup, lora_rank, lora_targets)
+    def model_states(self, shape: ModelShape, setup: StaticSetup, adapters: Adapters) -> ModelStates:
+        return fsdp2_model_states(shape, setup, adapters)
 
     def communication_buffers(self, shape: ModelShape, setup: StaticSetup, trainable: int) -> int:
         """No buckets: the all-gather and reduce-scatter buffers are counted where they are alive
@@ -350,11 +344,6 @@ class Fsdp2Memory:
         return False
 
     def forward_backward(
-        self,
-        shape: ModelShape,
-        setup: StaticSetup,
-        lora_rank: int,
-        lora_targets: tuple[str, ...],
-        states: ModelStates,
+        self, shape: ModelShape, setup: StaticSetup, adapters: Adapters, states: ModelStates
     ) -> Fsdp2Step:
-        return fsdp2_step(shape, setup, lora_rank, lora_targets)
+        return fsdp2_step(shape, setup, adapters)
