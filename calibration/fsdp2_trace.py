@@ -34,6 +34,7 @@ from calibration.memtrace import (
     _fake_weights,
     _optimizer,
     _transient,
+    lora_settings,
     shape_fields,
     tracked_training_steps,
 )
@@ -98,9 +99,7 @@ def trace_fsdp2_step(
         "reshard_after_forward": reshard_after_forward,
         "gradient_checkpointing": gradient_checkpointing,
         "trainable": trainable,
-        "lora_rank": lora_rank if trainable == Method.LORA else None,
-        "lora_targets": list(lora_targets) if trainable == Method.LORA else None,
-        "lora_dropout": lora_dropout if trainable == Method.LORA else None,
+        **lora_settings(trainable, lora_rank, lora_targets, lora_dropout),
         "optimizer_in_backward": optimizer_in_backward,
     }
     from torch.distributed.device_mesh import init_device_mesh

@@ -126,6 +126,16 @@ class _NoHook:
         """Nothing was registered."""
 
 
+def lora_settings(trainable: str, rank: int, targets: tuple[str, ...], dropout: float) -> dict[str, Any]:
+    """The LoRA part of a trace's settings (none unless it trains LoRA adapters)."""
+    lora = trainable == Method.LORA
+    return {
+        "lora_rank": rank if lora else None,
+        "lora_targets": list(targets) if lora else None,
+        "lora_dropout": dropout if lora else None,
+    }
+
+
 def _relabel_gradients(categories: dict[str, int], live_temp: tuple[Any, ...]) -> dict[str, int]:
     """Move the bytes of TEMP storages that later became parameter gradients from TEMP to GRAD."""
     fresh = sum(w.mem_consumed for w in live_temp if w.reftype is _MemRefType.GRAD)
@@ -378,9 +388,7 @@ def trace_training_step(
         "optimizer": optimizer,
         "optimizer_impl": optimizer_impl,
         "trainable": trainable,
-        "lora_rank": lora_rank if trainable == Method.LORA else None,
-        "lora_targets": list(lora_targets) if trainable == Method.LORA else None,
-        "lora_dropout": lora_dropout if trainable == Method.LORA else None,
+        **lora_settings(trainable, lora_rank, lora_targets, lora_dropout),
         "causal_mask": causal_mask,
         "steps": steps,
         "chunked_loss": chunked_loss,

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Final, Literal
 from pydantic import Field, Strict, field_validator, model_validator
 
 from memfit.api.base import ApiModel
-from memfit.api.knobs import Knobs, conflicts
+from memfit.api.knobs import Knobs, conflicts, knobs_of
 from memfit.api.vocabulary import EIGHT_BIT_OPTIMIZERS, Method, Offload
 from memfit.contract.engines import DEEPSPEED_OPTIMIZER_TYPES, DeepSpeedEngineSection, EngineSection
 from memfit.contract.layout import CheckpointLayout
@@ -147,24 +147,15 @@ class TrainerConfig(ApiModel):
 
     def knobs(self) -> Knobs:
         """The strategy this config runs, as the rules of memfit.api.knobs read it."""
-        t, engine = self.training, self.engine
-        return Knobs(
-            method=t.method,
-            precision=t.precision,
+        engine = self.engine
+        return knobs_of(
+            self.training,  # the training section holds the rest under the knobs' own names
             engine=engine.kind,
             zero_stage=engine.zero_stage,
             offload_optimizer=engine.offload_optimizer,
             offload_parameters=engine.offload_parameters,
-            optimizer=t.optimizer,
-            attention=t.attention,
-            gradient_checkpointing=t.gradient_checkpointing,
-            micro_batch_size=t.micro_batch_size,
-            gradient_accumulation_steps=t.gradient_accumulation_steps,
-            master_weights=t.master_weights,
-            chunked_loss=t.chunked_loss,
-            activation_offloading=t.activation_offloading,
             optimizer_in_backward=engine.optimizer_in_backward,
-            clips_gradients=t.max_grad_norm > 0,
+            clips_gradients=self.training.max_grad_norm > 0,
         )
 
     @property

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -126,17 +126,7 @@ class DataSource:
     @classmethod
     def from_config(cls, data: DataConfig) -> DataSource:
         """The trainer config's ``data`` section (its validation records aside)."""
-        return cls(
-            path=data.path,
-            text_field=data.text_field,
-            messages_field=data.messages_field,
-            format=data.format,
-            streaming=data.streaming,
-            prompt_field=data.prompt_field,
-            completion_field=data.completion_field,
-            train_on=data.train_on,
-            packing=data.packing,
-        )
+        return cls(**{field.name: getattr(data, field.name) for field in fields(cls)})
 
     @property
     def fields(self) -> dict[str, str]:
