@@ -1,18 +1,22 @@
-"""Model profiles: the inventory is exactly what transformers builds, and bitsandbytes and peft agree.
+"""Model profiles: the inventory is exactly what transformers builds, and bitsandbytes, peft and the CLI agree.
 
-Tiny configs of each new family keep their layer-type pattern and experts (2-4 layers, small widths).
+Tiny configs of each new family keep their layer-type pattern and experts (2-4 layers, small widths); the
+stored full-size configs are built on the meta device and their totals pinned (a drift fails here).
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from memfit.catalog.model_configs import stored_config_names, stored_config_path
+from memfit.cli.main import main
 from memfit.profile import ModelProfile, Role
-from memfit_trainer.profile import build_meta_model, profile
+from memfit_trainer.profile import build_meta_model, profile, read_config
 
 SMALL = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256}
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
@@ -71,6 +75,20 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "ministral3": {"model_type": "ministral3", "intermediate_size": 128, "num_hidden_layers": 2},
 }
 MOE_FAMILIES = ("qwen3_moe", "gpt_oss", "llama4_text")
+STORED_TOTALS = {
+    "gemma-3-12b": 11_766_034_176,
+    "gemma-4-31b": 30_697_345_280,
+    "gpt-oss-20b": 20_914_757_184,
+    "llama-3.1-8b": 8_030_261_248,
+    "llama-4-scout": 107_769_861_120,
+    "ministral-3-8b": 8_489_553_920,
+    "qwen3-30b-a3b": 30_532_122_624,
+    "qwen3-8b": 8_190_735_360,
+    "qwen3.5-27b": 26_895_998_464,
+}
+"""What transformers builds from each stored config.json (see memfit/catalog/configs/README.md)."""
+SLOW_TO_BUILD = {"qwen3-30b-a3b"}
+"""Over 2 s on 2 cores: 48 layers of 128 fused experts for peft to wrap."""
 
 
 def tiny(family: str) -> dict[str, Any]:
@@ -171,6 +189,53 @@ def test_tied_embeddings_have_no_lm_head(profiles: dict[str, ModelProfile]) -> N
     result = profiles["gemma3_text"]
     assert result.tie_word_embeddings
     assert not [group for group in result.tensors if group.role is Role.LM_HEAD]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "no such file"),
+        ("", "no config.json"),
+        pytest.param('{"model_type": "no_such_model"}', "unknown model_type", marks=pytest.mark.slow),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str | None, message: str
+) -> None:
+    path = tmp_path / "model"
+    if content is not None:
+        path.mkdir()
+        if content:
+            (path / "config.json").write_text(content, encoding="utf-8")
+    assert main(["profile", str(path)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and message in error
+
+
+@pytest.mark.slow
+def test_cli_prints_the_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["profile", "gpt-oss-20b"]) == 0
+    text = capsys.readouterr().out
+    assert "GptOssForCausalLM" in text and "experts: 32, 4 per token, in 24 layers" in text
+    assert main(["profile", "qwen3-8b", "-o", "json"]) == 0
+    assert ModelProfile.model_validate_json(capsys.readouterr().out).total_parameters == STORED_TOTALS["qwen3-8b"]
+
+
+def test_every_stored_config_has_a_golden_total() -> None:
+    assert stored_config_names() == sorted(STORED_TOTALS)
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_TO_BUILD else name for name in STORED_TOTALS]
+)
+def test_stored_configs_build_to_their_golden_totals(name: str) -> None:
+    path = stored_config_path(name)
+    assert path is not None
+    result = profile(read_config(path))
+    assert result.total_parameters == STORED_TOTALS[name]
+    quantized = sum(group.numel for group in result.tensors if group.quantizable)
+    assert 0 < quantized == result.quantizable_parameters < result.total_parameters
+    assert all(not group.quantizable for group in result.tensors if group.role is Role.EXPERTS)
 
 
 def test_the_lm_head_stays_16_bit(profiles: dict[str, ModelProfile]) -> None:
