@@ -43,6 +43,12 @@ def _data_preview(args: argparse.Namespace) -> int:
     return run_preview(args.job, args.mount, args.n, args.output)
 
 
+def _profile(args: argparse.Namespace) -> int:
+    from memfit.cli.profile_command import run_profile
+
+    return run_profile(args.model, args.output, args.lora_targets)
+
+
 def _crd(args: argparse.Namespace) -> int:
     from memfit.api.crd import crd_documents_yaml
 
@@ -138,6 +144,20 @@ def build_parser() -> argparse.ArgumentParser:
     preview.add_argument("-n", type=int, default=3, metavar="N", help="sequences to show (default 3)")
     preview.add_argument("-o", "--output", choices=("text", "json"), default="text", help="output format")
     preview.set_defaults(handler=_data_preview)
+
+    profile = commands.add_parser(
+        "profile", parents=[debug], help="a model's parameters by role and layer type, built from its config.json"
+    )
+    profile.add_argument("model", help="directory holding config.json, a config.json, or a stored config's name")
+    profile.add_argument("-o", "--output", choices=("text", "json"), default="text", help="output format")
+    profile.add_argument(
+        "--lora-targets",
+        action="append",
+        default=[],
+        metavar="NAMES",
+        help="also resolve these comma-separated LoRA target_modules (repeatable; all-linear always)",
+    )
+    profile.set_defaults(handler=_profile)
 
     crd = commands.add_parser(
         "crd", parents=[debug], help="print the CustomResourceDefinitions generated from the API models"

@@ -1,0 +1,97 @@
+"""``memfit profile MODEL``: the parameters a model's own ``transformers`` code builds, by role and layer type.
+
+The core cannot import torch or transformers, so the trainer package builds the model on the meta device in
+a subprocess (``python -m memfit_trainer.profile``) and prints a ``memfit.profile.ModelProfile`` as JSON; this
+module renders it (or passes the JSON through with ``-o json``). MODEL is a directory holding config.json,
+a config.json, or the name of a config memfit stores (``memfit.catalog.model_configs``).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from memfit.catalog.model_configs import stored_config_path
+from memfit.cli.exit_codes import ExitCode
+from memfit.profile import LoraModules, ModelProfile
+
+BILLION = 1e9
+
+
+def _model_path(model: str) -> Path:
+    """A stored config's file when ``model`` names one and is no path here, else the path as given."""
+    path = Path(model)
+    stored = stored_config_path(model)
+    return stored if stored is not None and not path.exists() else path
+
+
+def _billions(count: int) -> str:
+    return f"{count / BILLION:.3f}B" if count >= BILLION / 1000 else f"{count:,}"
+
+
+def profile_table(profile: ModelProfile) -> Table:
+    """Parameters by role and layer type, with their tensors' shapes and whether bitsandbytes quantizes them."""
+    table = Table(title=f"{profile.architecture} ({profile.model_type})", title_justify="left")
+    for column in ("role", "layer type", "layers", "parameters", "4-bit"):
+        table.add_column(column, justify="left" if column in ("role", "layer type") else "right")
+    for (role, layer_type), count in profile.parameters_by().items():
+        groups = [g for g in profile.tensors if g.role is role and g.layer_type == layer_type]
+        layers = len({layer for group in groups for layer in group.layers})
+        quantized = sum(group.numel for group in groups if group.quantizable)
+        share = f"{quantized / count:.0%}" if count else "-"
+        table.add_row(role.value, layer_type or "-", str(layers or "-"), _billions(count), share)
+    table.add_section()
+    quantized_share = profile.quantizable_parameters / profile.total_parameters
+    table.add_row("total", "", str(profile.num_layers), _billions(profile.total_parameters), f"{quantized_share:.0%}")
+    return table
+
+
+def _print_text(profile: ModelProfile, console: Console) -> None:
+    console.print(profile_table(profile))
+    layer_counts = {kind: profile.layer_types.count(kind) for kind in dict.fromkeys(profile.layer_types)}
+    facts = {
+        "layers": ", ".join(f"{count} {kind}" for kind, count in layer_counts.items()),
+        "hidden size / vocab": f"{profile.hidden_size} / {profile.vocab_size:,}",
+        "sliding window": str(profile.sliding_window or "-"),
+        "tied embeddings": "yes" if profile.tie_word_embeddings else "no",
+        "attention kernels": ", ".join(profile.attention_kernels),
+        "config sha256": profile.config_sha256,
+    }
+    if profile.experts is not None:
+        experts = profile.experts
+        facts["experts"] = (
+            f"{experts.num_experts}, {experts.experts_per_token} per token, in {len(experts.layers)} layers"
+        )
+    for resolution in profile.lora:
+        targets = resolution.target_modules
+        label = targets if isinstance(targets, str) else ",".join(targets)
+        suffixes = dict.fromkeys(_lora_label(group) for group in resolution.modules)
+        facts[f"LoRA {label}"] = f"{len(resolution.names())} modules: {', '.join(suffixes) or 'none'}"
+    for key, value in facts.items():
+        console.print(f"{key}: {value}", highlight=False, markup=False)
+
+
+def _lora_label(group: LoraModules) -> str:
+    """``self_attn.q_proj``, or ``mlp.experts.gate_up_proj`` for a fused parameter peft wraps in place."""
+    module = group.name.rpartition("*.")[2].removesuffix(".base_layer")
+    return f"{module}.{group.parameter}" if group.parameter else module
+
+
+def run_profile(model: str, output: str, lora_targets: list[str]) -> int:
+    command = [sys.executable, "-m", "memfit_trainer.profile", str(_model_path(model)), "-o", "json"]
+    for targets in lora_targets:
+        command += ["--lora-targets", targets]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines()
+        print(lines[-1] if lines else f"memfit profile: error: exit {done.returncode}", file=sys.stderr)
+        return ExitCode.BAD_INPUT if done.returncode == ExitCode.BAD_INPUT else ExitCode.INTERNAL_ERROR
+    if output == "json":
+        print(done.stdout.strip())
+    else:
+        _print_text(ModelProfile.model_validate_json(done.stdout), Console(soft_wrap=True))
+    return ExitCode.OK

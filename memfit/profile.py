@@ -1,0 +1,162 @@
+"""A model profile: what a model's own ``transformers`` code builds from its config.json, as plain data.
+
+memfit's per-family formulas (``memfit.model_shape``) cover six families; the models people fine-tune now
+(hybrid linear attention, sliding-window layers, per-layer embeddings, many fused experts) are outside
+them. A profile is the alternative: the trainer package builds the model on the meta device and records
+every parameter tensor by role and layer type, which tensors bitsandbytes would quantize and which modules
+LoRA would wrap. The core never imports torch, so the profile is pure pydantic: the trainer fills it, the
+core (CLI, later the planner) reads it, and its JSON is the contract between the two.
+
+Sums over the inventory are exact: every parameter tensor of the model is in exactly one group, and the
+profiler checks that the groups add up to ``sum(p.numel() for p in model.parameters())``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from enum import StrEnum
+from typing import Any, Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PROFILE_VERSION = 1
+"""Bumped when a field changes meaning; a reader refuses a profile of another version."""
+
+
+class Role(StrEnum):
+    """What a parameter tensor does, the granularity the memory model needs."""
+
+    EMBEDDING = "embedding"
+    LM_HEAD = "lm_head"
+    FINAL_NORM = "final_norm"
+    ATTENTION = "attention"
+    MLP = "mlp"
+    EXPERTS = "experts"
+    ROUTER = "router"
+    NORM = "norm"
+    OTHER = "other"
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TensorGroup(_Frozen):
+    """Parameter tensors of one name and shape: one tensor outside the decoder layers, or one per layer listed.
+
+    ``name`` writes the decoder layer's index as ``*`` (``model.layers.*.self_attn.q_proj.weight``), so a
+    64-layer model needs a dozen groups, not 64 times as many entries.
+    """
+
+    name: str
+    role: Role
+    shape: tuple[int, ...]
+    layer_type: str | None = None
+    """The decoder layers' type (``full_attention``, ``sliding_attention``, ``linear_attention``...); None
+    outside the decoder layers."""
+    layers: tuple[int, ...] = ()
+    """The decoder layers holding this tensor; empty outside them."""
+    count: int = Field(ge=1)
+    quantizable: bool = False
+    """An ``nn.Linear`` weight bitsandbytes 4-bit replaces (fused 3-D expert tensors are not ``nn.Linear``)."""
+
+    @model_validator(mode="after")
+    def _count_matches_layers(self) -> Self:
+        if self.count != max(1, len(self.layers)):
+            raise ValueError(f"{self.name}: count {self.count} but {len(self.layers)} layers")
+        return self
+
+    @property
+    def numel(self) -> int:
+        """Parameters in all tensors of the group."""
+        return math.prod(self.shape) * self.count
+
+
+class Experts(_Frozen):
+    """A mixture of experts: how many experts, how many each token uses, and which layers route."""
+
+    num_experts: int = Field(ge=1)
+    experts_per_token: int = Field(ge=1)
+    layers: tuple[int, ...]
+
+
+class LoraModules(_Frozen):
+    """Modules of one name and shape that LoRA wraps, the layer index written as ``*`` (see TensorGroup)."""
+
+    name: str
+    parameter: str | None = None
+    """The fused parameter peft wraps inside the module (``gate_up_proj`` of fused experts), None for a Linear."""
+    layers: tuple[int, ...] = ()
+    in_features: int
+    out_features: int
+
+    def names(self) -> list[str]:
+        """The full module names, as ``named_modules()`` spells them."""
+        if not self.layers:
+            return [self.name]
+        return [self.name.replace("*", str(layer), 1) for layer in self.layers]
+
+
+class LoraResolution(_Frozen):
+    """What peft's own matching makes of ``target_modules`` on this model (``all-linear`` or explicit names)."""
+
+    target_modules: str | tuple[str, ...]
+    modules: tuple[LoraModules, ...]
+
+    def names(self) -> list[str]:
+        return sorted(name for group in self.modules for name in group.names())
+
+
+class ModelProfile(_Frozen):
+    """A model as its ``transformers`` class builds it from one config.json."""
+
+    version: int = PROFILE_VERSION
+    config_sha256: str
+    """sha256 of the canonical config.json (``canonical_config_sha256``): which file this profile describes."""
+    model_type: str
+    architecture: str
+    """The class ``AutoModelForCausalLM.from_config`` built (e.g. ``Qwen3ForCausalLM``)."""
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    layer_types: tuple[str, ...]
+    """One per decoder layer; ``full_attention`` everywhere where the config names no layer types."""
+    sliding_window: int | None = None
+    tie_word_embeddings: bool
+    experts: Experts | None = None
+    attention_kernels: tuple[str, ...]
+    """``attn_implementation`` values the class supports (``eager`` always)."""
+    tensors: tuple[TensorGroup, ...]
+    lora: tuple[LoraResolution, ...] = ()
+
+    @model_validator(mode="after")
+    def _known_version(self) -> Self:
+        if self.version != PROFILE_VERSION:
+            raise ValueError(f"profile version {self.version}, this memfit reads version {PROFILE_VERSION}")
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"{len(self.layer_types)} layer types for {self.num_layers} layers")
+        return self
+
+    @property
+    def total_parameters(self) -> int:
+        return sum(group.numel for group in self.tensors)
+
+    @property
+    def quantizable_parameters(self) -> int:
+        return sum(group.numel for group in self.tensors if group.quantizable)
+
+    def parameters_by(self) -> dict[tuple[Role, str | None], int]:
+        """Parameters per (role, layer type), in the order the roles first appear."""
+        totals: dict[tuple[Role, str | None], int] = {}
+        for group in self.tensors:
+            key = (group.role, group.layer_type)
+            totals[key] = totals.get(key, 0) + group.numel
+        return totals
+
+
+def canonical_config_sha256(config: dict[str, Any]) -> str:
+    """sha256 of a config.json's content, independent of its key order and whitespace."""
+    text = json.dumps(config, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()

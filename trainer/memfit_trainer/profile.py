@@ -1,0 +1,292 @@
+"""Build a model from its config.json on the meta device and record its profile (``memfit.profile``).
+
+A model is what its own code says: rather than a per-family formula, ``AutoModelForCausalLM.from_config``
+builds the model under ``torch.device("meta")`` (no memory, no weights, no download) and every parameter
+tensor is classified by role and decoder-layer type. What bitsandbytes 4-bit would quantize and what LoRA
+would wrap come from transformers' and peft's own rules, applied to the same meta model.
+
+``python -m memfit_trainer.profile PATH [-o json] [--lora-targets q_proj,v_proj]`` prints the profile as
+JSON (``memfit profile`` renders it); bad input exits 2 with one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from memfit.profile import (
+    Experts,
+    LoraModules,
+    LoraResolution,
+    ModelProfile,
+    Role,
+    TensorGroup,
+    canonical_config_sha256,
+)
+
+EXIT_BAD_INPUT = 2
+MESSAGE_LENGTH = 200
+"""Characters of transformers' own reason shown in the one-line error."""
+ALL_LINEAR = "all-linear"
+FULL_ATTENTION = "full_attention"
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+EXPERTS_PER_TOKEN_KEYS = ("num_experts_per_tok", "top_k_experts", "experts_per_token")
+KERNEL_FLAGS = (
+    ("_supports_sdpa", "sdpa"),
+    ("_supports_flash_attn", "flash_attention_2"),
+    ("_supports_flex_attn", "flex_attention"),
+)
+
+
+class ProfileError(ValueError):
+    """Bad input: the message is the one line the user sees."""
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """The config.json at ``path`` (a directory holding one, or the file itself)."""
+    if not path.exists():
+        raise ProfileError(f"{path}: no such file or directory")
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ProfileError(f"{path}: no config.json in this directory")
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ProfileError(f"{file}: not JSON: {error}") from error
+    if not isinstance(config, dict):
+        raise ProfileError(f"{file}: not a JSON object")
+    return config
+
+
+def build_meta_model(config: dict[str, Any]) -> Any:
+    """The model ``AutoModelForCausalLM`` builds from this config, its parameters on the meta device."""
+    import torch
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
+
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str):
+        raise ProfileError("config.json: no model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise ProfileError(f"config.json: unknown model_type {model_type!r} (this transformers has no such model)")
+    auto_model: Any = AutoModelForCausalLM  # untyped classmethods
+    try:
+        hf_config = AutoConfig.for_model(**config)
+        with torch.device("meta"):
+            return auto_model.from_config(hf_config)
+    except (ValueError, TypeError, StrictDataclassError) as error:
+        reason = " ".join(str(error).split())[:MESSAGE_LENGTH] or type(error).__name__
+        raise ProfileError(f"config.json: transformers refuses this {model_type} config: {reason}") from error
+
+
+def decoder_layers_prefix(model: Any, num_layers: int) -> str:
+    """``model.layers``, ``model.language_model.layers``...: where the text decoder keeps its layers.
+
+    The decoder's ``layers`` where ``get_decoder()`` finds it, else the one ``layers`` list of the config's
+    length outside any vision or audio tower.
+    """
+    decoder_layers = getattr(model.get_decoder(), "layers", None)
+    candidates = [
+        name
+        for name, module in model.named_modules()
+        if (module is decoder_layers if decoder_layers is not None else name.rpartition(".")[2] == "layers")
+        and len(module) == num_layers
+        and not any(tower in name for tower in ("vision", "audio"))
+    ]
+    if len(candidates) != 1:
+        raise ProfileError(f"cannot tell the decoder's {num_layers} layers in {type(model).__name__}")
+    return str(candidates[0])
+
+
+def layer_role(path: str, classes: list[str]) -> Role:
+    """A decoder layer's tensor, by the path inside the layer and the classes of the modules along it."""
+    parts = path.split(".")[:-1]
+    if len(parts) == 1 and "Norm" in classes[-1]:
+        return Role.NORM
+    if parts and parts[0].endswith(("attn", "attention")):
+        return Role.ATTENTION
+    if any(part in ("router", "gate") for part in parts) or any("Router" in cls for cls in classes):
+        return Role.ROUTER
+    if any("expert" in part and "shared_expert" not in part for part in parts):
+        return Role.EXPERTS
+    if parts and parts[0] in ("mlp", "feed_forward", "block_sparse_moe", "moe"):
+        return Role.MLP
+    return Role.OTHER
+
+
+def outer_role(module: Any, model: Any, decoder: Any) -> Role:
+    """A tensor outside the decoder layers: embeddings, LM head, the decoder's final norm, or something else."""
+    if module is model.get_input_embeddings():
+        return Role.EMBEDDING
+    if module is model.get_output_embeddings():
+        return Role.LM_HEAD
+    if module is getattr(decoder, "norm", None):
+        return Role.FINAL_NORM
+    return Role.OTHER
+
+
+def quantized_module_names(model: Any) -> set[str]:
+    """The modules bitsandbytes 4-bit replaces, by transformers' own rule (``replace_with_bnb_linear``)."""
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+    from transformers.quantizers.base import get_keys_to_not_convert
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    skip = get_keys_to_not_convert(model) + list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    return {
+        name
+        for name, module in model.named_modules()
+        if (isinstance(module, Conv1D) or type(module) is nn.Linear) and should_convert_module(name, skip)
+    }
+
+
+def lora_resolution(model: Any, target_modules: str | tuple[str, ...], prefix: str) -> LoraResolution:
+    """The modules peft's LoRA wraps for ``target_modules``: peft itself injects them into a copy of the meta model.
+
+    Injecting rather than matching names keeps every rule peft applies: ``all-linear`` leaving out the output
+    embeddings, and peft 0.21 targeting transformers 5's fused expert parameters through ``ParamWrapper``
+    (its v4-to-v5 MoE conversion), which no name match over ``nn.Linear`` modules would find.
+    """
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    targets = target_modules if isinstance(target_modules, str) else list(target_modules)
+    wrapped: Any = get_peft_model(copy.deepcopy(model), LoraConfig(target_modules=targets))
+    groups: dict[tuple[str, str | None, int, int], list[int]] = {}
+    for name, module in wrapped.base_model.model.named_modules():
+        if isinstance(module, BaseTunerLayer):
+            pattern, layer = _layer_pattern(name, prefix)
+            key = (pattern, getattr(module, "parameter_name", None), *_features(module))
+            groups.setdefault(key, []).extend([] if layer is None else [layer])
+    modules = tuple(
+        LoraModules(name=name, parameter=parameter, layers=tuple(layers), in_features=fan_in, out_features=fan_out)
+        for (name, parameter, fan_in, fan_out), layers in groups.items()
+    )
+    return LoraResolution(target_modules=target_modules, modules=modules)
+
+
+def _features(layer: Any) -> tuple[int, int]:
+    """A LoRA layer's base in and out features (per expert for a fused parameter)."""
+    return int(layer.in_features), int(layer.out_features)
+
+
+def _layer_pattern(name: str, prefix: str) -> tuple[str, int | None]:
+    match = re.match(rf"{re.escape(prefix)}\.(\d+)(\.|$)", name)
+    if match is None:
+        return name, None
+    return f"{prefix}.*{name[match.end(1) :]}", int(match.group(1))
+
+
+def _classes_along(model: Any, path: str) -> list[str]:
+    classes, module = [], model
+    for part in path.split(".")[:-1]:
+        module = getattr(module, part)
+        classes.append(type(module).__name__)
+    return classes
+
+
+def tensor_groups(model: Any, prefix: str, layer_types: Sequence[str]) -> tuple[TensorGroup, ...]:
+    """Every parameter tensor, grouped by name (layer index as ``*``), shape and layer type."""
+    quantized = quantized_module_names(model)
+    decoder = model.get_submodule(prefix.rpartition(".")[0])
+    groups: dict[tuple[str, tuple[int, ...], str | None], dict[str, Any]] = {}
+    for name, parameter in model.named_parameters():
+        module_name, _, attribute = name.rpartition(".")
+        pattern, layer = _layer_pattern(name, prefix)
+        module = model.get_submodule(module_name) if module_name else model
+        if layer is None:
+            role, layer_type = outer_role(module, model, decoder), None
+        else:
+            inner = name[len(f"{prefix}.{layer}.") :]
+            role = layer_role(inner, _classes_along(model.get_submodule(f"{prefix}.{layer}"), inner))
+            layer_type = layer_types[layer]
+        shape = tuple(parameter.shape)
+        group = groups.setdefault((pattern, shape, layer_type), {"role": role, "layers": []})
+        group["quantizable"] = attribute == "weight" and module_name in quantized
+        if layer is not None:
+            group["layers"].append(layer)
+    return tuple(
+        TensorGroup(
+            name=pattern,
+            role=group["role"],
+            shape=shape,
+            layer_type=layer_type,
+            layers=tuple(group["layers"]),
+            count=max(1, len(group["layers"])),
+            quantizable=group["quantizable"],
+        )
+        for (pattern, shape, layer_type), group in groups.items()
+    )
+
+
+def experts_of(text_config: Any, model: Any, prefix: str) -> Experts | None:
+    """Expert count and experts per token from the config; the routing layers from the built model."""
+    values = text_config.to_dict()
+    count = next((values[key] for key in EXPERT_COUNT_KEYS if values.get(key)), None)
+    per_token = next((values[key] for key in EXPERTS_PER_TOKEN_KEYS if values.get(key)), None)
+    if count is None or per_token is None:
+        return None
+    routed = {
+        layer
+        for name, _ in model.named_modules()
+        if name.endswith(".experts") and (layer := _layer_pattern(name, prefix)[1]) is not None
+    }
+    return Experts(num_experts=count, experts_per_token=per_token, layers=tuple(sorted(routed))) if routed else None
+
+
+def profile(config: dict[str, Any], lora_targets: Sequence[tuple[str, ...]] = ()) -> ModelProfile:
+    """The profile of the model this config.json describes (built on the meta device)."""
+    model = build_meta_model(config)
+    text = model.config.get_text_config()
+    num_layers = int(text.num_hidden_layers)
+    layer_types = tuple(getattr(text, "layer_types", None) or [FULL_ATTENTION] * num_layers)
+    prefix = decoder_layers_prefix(model, num_layers)
+    tensors = tensor_groups(model, prefix, layer_types)
+    built = sum(parameter.numel() for parameter in model.parameters())
+    if sum(group.numel for group in tensors) != built:
+        raise AssertionError(f"the inventory sums to {sum(g.numel for g in tensors)}, the model has {built}")
+    uses_window = any(kind == "sliding_attention" for kind in layer_types)
+    resolved: list[str | tuple[str, ...]] = [ALL_LINEAR, *lora_targets]
+    kernels = ("eager", *(kernel for flag, kernel in KERNEL_FLAGS if getattr(type(model), flag, False)))
+    return ModelProfile(
+        config_sha256=canonical_config_sha256(config),
+        model_type=str(config["model_type"]),
+        architecture=type(model).__name__,
+        hidden_size=int(text.hidden_size),
+        vocab_size=int(text.vocab_size),
+        num_layers=num_layers,
+        layer_types=layer_types,
+        sliding_window=getattr(text, "sliding_window", None) if uses_window else None,
+        tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
+        experts=experts_of(text, model, prefix),
+        attention_kernels=kernels,
+        tensors=tensors,
+        lora=tuple(lora_resolution(model, targets, prefix) for targets in resolved),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="memfit_trainer.profile")
+    parser.add_argument("path", type=Path, help="a directory holding config.json, or the config.json")
+    parser.add_argument("-o", "--output", choices=("json",), default="json", help="output format (JSON only)")
+    parser.add_argument(
+        "--lora-targets", action="append", default=[], metavar="NAMES", help="comma-separated target_modules"
+    )
+    args = parser.parse_args(argv)
+    try:
+        result = profile(read_config(args.path), [tuple(names.split(",")) for names in args.lora_targets])
+    except ProfileError as error:
+        print(f"memfit profile: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(result.model_dump_json())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
