@@ -3,6 +3,8 @@ itself is exercised in tests/trainer)."""
 
 from __future__ import annotations
 
+import io
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -197,3 +199,91 @@ def test_the_rendered_config_names_its_volumes(tiny_job: Path) -> None:
         str(tiny_job.parent / "output"),
     )
     assert config.volumes.model is None  # random init: no model volume
+
+
+TINY_SHAPE = {
+    "model_type": "llama",
+    "hidden_size": 128,
+    "intermediate_size": 352,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 258,
+}
+"""examples/tiny's architecture, as a config.json states it."""
+
+
+@pytest.fixture
+def claimed_model_job(tiny_job: Path) -> Path:
+    """The tiny job loading its model from the `models` claim (models/tiny beside the job file)."""
+    text = tiny_job.read_text()
+    assert "    randomInit: true\n" in text
+    tiny_job.write_text(text.replace("    randomInit: true\n", "    source: {pvc: models, path: tiny}\n"))
+    return tiny_job
+
+
+def model_dir(job: Path, config: dict[str, Any] | None) -> Path:
+    directory = job.parent / "models" / "tiny"
+    directory.mkdir(parents=True)
+    if config is not None:
+        (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def no_torchrun(*args: Any) -> int:
+    raise AssertionError("torchrun started")
+
+
+def test_a_model_directory_of_the_planned_shape_is_accepted(claimed_model_job: Path) -> None:
+    model_dir(claimed_model_job, TINY_SHAPE)
+    assert main(["run", str(claimed_model_job), "--local", "--nproc", "2", "--dry-run"]) == 0
+
+
+def test_a_model_directory_of_another_shape_is_refused_before_torchrun(
+    claimed_model_job: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    directory = model_dir(claimed_model_job, {**TINY_SHAPE, "hidden_size": 64, "num_hidden_layers": 2})
+    monkeypatch.setattr(run_command, "_torchrun", no_torchrun)
+    assert main(["run", str(claimed_model_job), "--local", "--nproc", "2"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    held, planned = line.split(" but ")
+    assert str(directory.resolve()) in held and "hidden_size 64" in held and "2 layers" in held
+    assert "hidden_size 128" in planned and "4 layers" in planned
+    assert not (claimed_model_job.parent / "output").exists()  # nothing written to the output claim
+
+
+@pytest.mark.parametrize("config", [None, "absent"], ids=["no-config-json", "no-directory"])
+def test_a_model_directory_without_config_json_is_refused(
+    claimed_model_job: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], config: str | None
+) -> None:
+    if config is None:
+        model_dir(claimed_model_job, None)
+    monkeypatch.setattr(run_command, "_torchrun", no_torchrun)
+    assert main(["run", str(claimed_model_job), "--local", "--nproc", "2"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("memfit run: error: model directory ")
+    assert "config.json" in line if config is None else "does not exist" in line
+    assert not (claimed_model_job.parent / "output").exists()
+
+
+def test_relay_withholds_what_follows_a_ranks_refusal(capsys: pytest.CaptureFixture[str]) -> None:
+    stream = io.BytesIO(b"a warning\nmemfit-train: bad config\nmemfit-train: bad config\nTraceback (most recent)\n")
+    assert run_command.relay_stderr(stream) == "bad config"
+    assert capsys.readouterr().err == "a warning\n"
+    assert run_command.relay_stderr(io.BytesIO(b"Traceback\nboom\n")) is None
+    assert capsys.readouterr().err == "Traceback\nboom\n"
+
+
+def test_a_trainer_start_up_refusal_arrives_as_its_one_line(tiny_job: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", str(tiny_job), "--local", "--nproc", "2", "--dry-run"]) == 0
+    workdir = tiny_job.parent / "output" / "tiny" / ".memfit"
+    (workdir / "termination-log").write_text('{"reason": "ConfigError", "message": "an earlier run"}')
+    capsys.readouterr()
+    # Planned for 2 ranks, started as 1: every rank's preflight refuses the config (exit 2).
+    code = run_command._torchrun(workdir / "trainer-config.json", 1, False, workdir / "termination-log")
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "ChildFailedError" not in err, err
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("memfit run: error: ") and "plan is for 2" in lines[-1], err
+    assert "an earlier run" not in err

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import IO
 
 from pydantic import ValidationError
 
@@ -25,10 +26,12 @@ from memfit.api.finetunejob import FineTuneJob
 from memfit.api.loading import InputError, describe_validation_error, load_documents
 from memfit.cli.exit_codes import ExitCode
 from memfit.cli.local_machine import inspect_machine, local_pool
+from memfit.contract.model_match import model_directory_problem
 from memfit.contract.sections import MetricsConfig
+from memfit.contract.termination import CONFIG_ERROR_PREFIX, config_error_message
 from memfit.contract.trainer_config import TrainerConfig
 from memfit.planner.search import PlanningError, plan_job
-from memfit.render.trainer_config import Mounts, inside, render_trainer_config
+from memfit.render.trainer_config import Mounts, inside, model_config, render_trainer_config
 
 DEFAULT_CPU_RANKS = 2
 CLAIM_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
@@ -97,6 +100,18 @@ def _check_paths(config: TrainerConfig, mounts: Mounts) -> None:
     contained(Path(config.data.path), Path(mounts.data), "dataset.source.path: the data")
     if config.volumes is not None and config.volumes.model is not None:
         contained(Path(config.model.name_or_path), Path(config.volumes.model), "model.source.path: the model")
+
+
+def check_model(job: FineTuneJob, mounts: Mounts) -> None:
+    """The model directory on its claim exists, holds config.json, and that config is the shape the plan
+    was made for (memfit.contract.model_match, as the trainer checks it): before anything is written."""
+    if mounts.model is None or job.spec.model.random_init:
+        return
+    model = model_config(job.spec.model, mounts.model)
+    directory = contained(Path(model.name_or_path), Path(mounts.model), "model.source.path: the model")
+    problem = model_directory_problem(directory, model.architecture)
+    if problem is not None:
+        raise InputError(problem)
 
 
 def _work_directory(workdir: Path | None, output_dir: Path) -> Path:
@@ -168,6 +183,7 @@ def run_local(job_file: Path, ranks: int | None, mount_args: list[str], workdir:
         ranks = result.chosen.strategy.gpus
 
     try:
+        check_model(job, mounts)
         workdir = _work_directory(workdir, output_dir)
         config = render_trainer_config(
             job, result.chosen, mounts=mounts,
@@ -190,10 +206,27 @@ def run_local(job_file: Path, ranks: int | None, mount_args: list[str], workdir:
     print(f"memfit run: trainer config {config_path}")
     if dry_run:
         return 0
-    return _torchrun(config_path, ranks, machine.has_gpus)
+    return _torchrun(config_path, ranks, machine.has_gpus, Path(config.termination_log))
 
 
-def _torchrun(config_path: Path, ranks: int, has_gpus: bool) -> int:
+def relay_stderr(stream: IO[bytes]) -> str | None:
+    """Copy torchrun's stderr (its ranks' too) to ours as it comes, until a rank refuses its config
+    (memfit-train's one line): what follows is torchrun's report of the failed ranks, withheld. The first
+    refusal's message, or None."""
+    refused: str | None = None
+    for raw in stream:
+        line = raw.decode("utf-8", errors="replace")
+        if refused is None and line.startswith(CONFIG_ERROR_PREFIX):
+            refused = line.removeprefix(CONFIG_ERROR_PREFIX).rstrip("\n")
+        if refused is None:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+    return refused
+
+
+def _torchrun(config_path: Path, ranks: int, has_gpus: bool, termination_log: Path) -> int:
+    """Run the trainer's ranks; a start-up refusal (exit 2 and a ConfigError termination message) comes back
+    as the trainer's one line and exit 2, not as torchrun's report of failed workers."""
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -202,4 +235,14 @@ def _torchrun(config_path: Path, ranks: int, has_gpus: bool) -> int:
         env.setdefault("DS_ACCELERATOR", "cpu")
     command = [torchrun, "--standalone", f"--nproc-per-node={ranks}", "-m", "memfit_trainer.main",
                "--config", str(config_path)]  # fmt: skip
-    return subprocess.run(command, env=env, check=False).returncode
+    termination_log.unlink(missing_ok=True)  # an earlier run's message is not this run's
+    with subprocess.Popen(command, env=env, stderr=subprocess.PIPE) as process:
+        assert process.stderr is not None  # stderr=PIPE
+        refused = relay_stderr(process.stderr)
+    if process.returncode == 0:
+        return 0
+    message = config_error_message(termination_log) or refused
+    if message is None:
+        return process.returncode
+    print(f"memfit run: error: {message}", file=sys.stderr)
+    return ExitCode.BAD_INPUT

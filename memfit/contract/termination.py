@@ -27,6 +27,8 @@ from memfit.api.vocabulary import TerminationReason
 
 DEFAULT_TERMINATION_LOG = "/dev/termination-log"
 MAX_TERMINATION_MESSAGE_BYTES = 4096
+CONFIG_ERROR_PREFIX = "memfit-train: "
+"""How the trainer's one stderr line about a refused config begins (:func:`report_config_error`)."""
 
 
 def fitted_message(fields: dict[str, Any], message: str, limit: int = MAX_TERMINATION_MESSAGE_BYTES) -> str:
@@ -72,6 +74,19 @@ def write_termination_message(payload: str, path: str | Path = DEFAULT_TERMINATI
 def report_config_error(error: str, path: str | Path = DEFAULT_TERMINATION_LOG) -> None:
     """The one stderr line, and the ConfigError termination message where the file can be written (a pod
     has it; a local run outside a container usually cannot create /dev/termination-log, and needs none)."""
-    print(f"memfit-train: {error}", file=sys.stderr, flush=True)
+    print(f"{CONFIG_ERROR_PREFIX}{error}", file=sys.stderr, flush=True)
     with contextlib.suppress(OSError):
         write_termination_message(fitted_message({"reason": TerminationReason.CONFIG_ERROR}, error), path)
+
+
+def config_error_message(path: str | Path) -> str | None:
+    """The message of a ConfigError termination message in the file, or None (no file, another reason)."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            payload = json.loads(handle.read(2 * MAX_TERMINATION_MESSAGE_BYTES))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(payload, dict) or payload.get("reason") != TerminationReason.CONFIG_ERROR:
+        return None
+    message = payload.get("message")
+    return message if isinstance(message, str) else None

@@ -19,6 +19,9 @@ import torch
 
 from memfit.api.vocabulary import Attention, Engine, Method, Precision
 from memfit.contract.engines import DeepSpeedEngineSection
+from memfit.contract.model_match import shape_mismatch
+from memfit.contract.reader import ConfigError
+from memfit.contract.sections import ModelConfig
 from memfit.contract.trainer_config import TrainerConfig
 from memfit_trainer.hf_config import transformers_config
 from memfit_trainer.tokenizer import model_tokenizer
@@ -109,6 +112,7 @@ def _load_base(config: TrainerConfig, local_rank: int) -> Any:
                 device_map=_device_map(config, local_rank),
                 **kwargs,
             )
+    check_planned_shape(model_config)
     if training.method == Method.QLORA:
         kwargs.update(
             quantization_config=quantization_config(config.engine.kind), device_map=_device_map(config, local_rank)
@@ -119,6 +123,23 @@ def _load_base(config: TrainerConfig, local_rank: int) -> Any:
         token=os.environ.get(model_config.token_env) or None,
         **kwargs,
     )
+
+
+def check_planned_shape(model_config: ModelConfig) -> None:
+    """ConfigError (exit 2) when the model to load is not the shape the plan was made for: its config, as
+    ``transformers`` resolves it (class defaults filled in), is read and compared before any weights load."""
+    if model_config.random_init or model_config.architecture is None:
+        return
+    from transformers import AutoConfig
+
+    loaded = AutoConfig.from_pretrained(
+        model_config.name_or_path,
+        revision=model_config.revision,
+        token=os.environ.get(model_config.token_env) or None,
+    )
+    problem = shape_mismatch(model_config.architecture, loaded.to_dict(), model_config.name_or_path)
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def _lora_config(config: TrainerConfig) -> Any:

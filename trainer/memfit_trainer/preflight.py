@@ -20,6 +20,7 @@ from pathlib import Path
 
 from memfit.api.vocabulary import EIGHT_BIT_OPTIMIZERS, Attention, Engine, Method, Optimizer, Precision
 from memfit.contract.engines import DeepSpeedEngineSection
+from memfit.contract.model_match import model_directory_problem
 from memfit.contract.reader import ConfigError
 from memfit.contract.trainer_config import TrainerConfig
 
@@ -115,6 +116,19 @@ def _fsdp2_problems(config: TrainerConfig) -> list[str]:
     return problems
 
 
+def _model_problem(config: TrainerConfig) -> str | None:
+    """A model directory that is missing, holds no config.json or another shape than the plan's (a Hub id's
+    config is compared when it is fetched, at load: memfit_trainer.model.check_planned_shape)."""
+    model, volumes = config.model, config.volumes
+    name = model.name_or_path
+    on_volume = volumes is not None and volumes.model is not None
+    if model.random_init or not (on_volume or name.startswith(("/", "./", "../")) or Path(name).is_dir()):
+        return None
+    if volumes is not None and volumes.model is not None and _escape(name, volumes.model) is not None:
+        return None  # reported as leading outside its volume; nothing is read there
+    return model_directory_problem(name, model.architecture)
+
+
 def check(config: TrainerConfig, environ: Mapping[str, str]) -> None:
     """Raise ConfigError naming every way ``config`` cannot run here."""
     training, data = config.training, config.data
@@ -132,6 +146,9 @@ def check(config: TrainerConfig, environ: Mapping[str, str]) -> None:
         problems.append("data needs exactly one of textField, messagesField and promptField with completionField")
     volume_problems = _volume_problems(config)
     problems.extend(volume_problems)
+    model = _model_problem(config)
+    if model:
+        problems.append(model)
     if not Path(data.path).exists():
         problems.append(f"data.path {data.path!r} does not exist")
     elif not (Path(data.path).is_file() or Path(data.path).is_dir()):
