@@ -1,4 +1,4 @@
-"""The README's `memfit plan` examples, as the CLI prints them now.
+"""The README's `memfit plan` and `memfit profile` examples, as the CLI prints them now.
 
 `python tests/readme_outputs.py` rewrites each block after its `$ memfit plan ...` line; tests/test_readme.py
 fails when one drifts (the planning time aside), so the README shows output, never a hand-edited copy of it.
@@ -16,7 +16,7 @@ from pathlib import Path
 from memfit.cli.main import main
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-COMMAND = re.compile(r"^\$ (memfit plan .*)$", re.MULTILINE)
+COMMAND = re.compile(r"^\$ (memfit (?:plan|profile) .*)$", re.MULTILINE)
 TIMING = re.compile(r"planned in [0-9.]+ ms")
 """The one part of the output that differs from run to run."""
 
