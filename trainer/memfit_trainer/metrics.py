@@ -65,14 +65,9 @@ LABELS = ("finetunejob", "rank")
 
 
 def model_flops_per_token(shape: ModelShape, sequence_length: int, method: Method) -> float:
-    """Model FLOPs one trained token needs (MFU's numerator: recomputation is not counted).
-
-    Forward: 2 x active parameters plus causal attention (QK^T and AV over half the sequence on average,
-    as memfit's throughput model counts it). Backward is twice the forward for full training (6N in all);
-    with a frozen base (LoRA, QLoRA) it computes no weight gradients, so it costs one forward (4N).
-    """
-    forward = 2 * shape.active_parameters_per_token + 2 * shape.num_layers * sequence_length * shape.q_size
-    return forward * (3 if method == Method.FULL else 2)
+    """Model FLOPs one trained token needs (MFU's numerator: recomputation is not counted), as the planner's
+    throughput model counts them (:meth:`memfit.model_shape.ModelShape.model_flops_per_token`)."""
+    return shape.model_flops_per_token(sequence_length, trains_base=method == Method.FULL)
 
 
 def _resident_bytes() -> float:
