@@ -13,7 +13,7 @@ from memfit.contract.engines import DeepSpeedEngineSection
 from memfit.contract.reader import ConfigError
 from memfit_trainer.console import ConsoleProgress, format_duration
 from memfit_trainer.deepspeed_engine import engine_config
-from memfit_trainer.engine import ENGINES
+from memfit_trainer.engine import ENGINES, PROCESS_GROUPS
 from memfit_trainer.optimization import total_optimizer_steps, warmup_cosine
 from tests.trainer.runs import make_config
 
@@ -66,3 +66,7 @@ def test_console_progress_is_plain_throttled_and_rank0_only() -> None:
 
 def test_every_engine_of_the_vocabulary_has_a_builder() -> None:
     assert set(ENGINES) == set(Engine)
+
+
+def test_every_engine_of_the_vocabulary_starts_its_process_group() -> None:
+    assert set(PROCESS_GROUPS) == set(Engine)

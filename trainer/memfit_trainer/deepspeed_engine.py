@@ -33,6 +33,12 @@ if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
 
 
+def init_deepspeed_process_group() -> None:
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
 def engine_config(config: TrainerConfig, client: bool) -> dict[str, Any]:
     """The DeepSpeed section's config plus what this run needs: the flags a client optimizer requires, and what
     the training section decides where the DeepSpeed section leaves it out (batch sizes, clipping, precision and

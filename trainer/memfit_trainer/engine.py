@@ -2,19 +2,21 @@
 
 Each engine lives in its own module behind :class:`~memfit_trainer.training_engine.TrainingEngine`: DeepSpeed's
 (:mod:`memfit_trainer.deepspeed_engine`) and PyTorch's FSDP2 (:mod:`memfit_trainer.fsdp2_engine`); what both
-share is in :mod:`memfit_trainer.optimization`. A new engine is a module with a builder, and one line here.
+share is in :mod:`memfit_trainer.optimization`. A new engine is a module with a builder and a process-group
+starter, and a line in each registry here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
 from memfit.api.vocabulary import Engine
 from memfit.contract.trainer_config import TrainerConfig
-from memfit_trainer.deepspeed_engine import build_deepspeed_engine
-from memfit_trainer.fsdp2_engine import build_fsdp2_engine
+from memfit_trainer.deepspeed_engine import build_deepspeed_engine, init_deepspeed_process_group
+from memfit_trainer.fsdp2_engine import build_fsdp2_engine, init_fsdp2_process_group
 from memfit_trainer.training_engine import TrainingEngine
 
 
@@ -30,6 +32,17 @@ ENGINES: dict[Engine, EngineBuilder] = {
     Engine.DEEPSPEED: build_deepspeed_engine,
     Engine.FSDP2: build_fsdp2_engine,
 }
+
+
+PROCESS_GROUPS: dict[Engine, Callable[[], None]] = {
+    Engine.DEEPSPEED: init_deepspeed_process_group,
+    Engine.FSDP2: init_fsdp2_process_group,
+}
+"""How each engine starts the default process group (before the model is built)."""
+
+
+def init_process_group(config: TrainerConfig) -> None:
+    PROCESS_GROUPS[config.engine.kind]()
 
 
 def build_engine(

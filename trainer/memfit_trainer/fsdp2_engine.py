@@ -84,6 +84,11 @@ def fp32_masters(config: TrainerConfig) -> bool:
     return training.precision == Precision.BF16 and training.master_weights == MasterWeights.FP32
 
 
+def init_fsdp2_process_group() -> None:
+    """CPU offload clips and checkpoints host tensors: gloo beside NCCL for those."""
+    dist.init_process_group(backend="cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo")
+
+
 def mixed_precision(config: TrainerConfig, fsdp2: Fsdp2EngineSection) -> Any:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 

@@ -15,7 +15,6 @@ import socket
 import sys
 from collections.abc import Sequence
 
-from memfit.api.vocabulary import Engine
 from memfit.contract.reader import ConfigError, load_config
 from memfit.contract.termination import DEFAULT_TERMINATION_LOG, report_config_error
 from memfit.contract.trainer_config import TrainerConfig
@@ -45,11 +44,11 @@ def _single_process_defaults() -> None:
 
 def run(config: TrainerConfig) -> int:
     """Initialise the process group, train, tear down; the exit code."""
-    import deepspeed
     import torch
     import torch.distributed as dist
 
     from memfit_trainer.data import DataError
+    from memfit_trainer.engine import init_process_group
     from memfit_trainer.loop import train
     from memfit_trainer.metrics import TrainerMetrics
     from memfit_trainer.oom import OomGuard
@@ -59,11 +58,7 @@ def run(config: TrainerConfig) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
-    if config.engine.kind == Engine.FSDP2:
-        # CPU offload clips and checkpoints host tensors: gloo beside NCCL for those.
-        dist.init_process_group(backend="cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo")
-    else:
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    init_process_group(config)
     ranks = Ranks(rank=dist.get_rank(), local_rank=local_rank, world_size=dist.get_world_size())
     guard = OomGuard(
         planned_peak_bytes=config.prediction.peak_allocated_bytes if config.prediction else None,
