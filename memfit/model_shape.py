@@ -30,11 +30,22 @@ class Role(StrEnum):
     ATTENTION = "attention"
     MLP = "mlp"
     ROUTER = "router"
+    """The MoE router: in ``transformers`` 5 a bare ``weight`` parameter of its own module, not an ``nn.Linear``."""
+    EXPERTS = "experts"
+    """An MoE layer's experts, fused in ``transformers`` 5 into one 3-D parameter per projection (``count`` experts
+    x out x in), not ``nn.Linear`` modules."""
+
+
+LINEAR_ROLES = frozenset({Role.ATTENTION, Role.MLP})
+"""Roles that ``transformers`` builds as ``nn.Linear``: only these does bitsandbytes quantize
+(``replace_with_bnb_linear``) and peft wrap with ``lora.Linear``; it wraps the other parameters in place
+(``ParamWrapper``, which folds the adapter into the weight)."""
 
 
 @dataclass(frozen=True)
 class LinearModule:
-    """One kind of ``nn.Linear`` inside a decoder layer (``count`` copies of it per layer)."""
+    """One kind of linear projection inside a decoder layer (``count`` copies of it per layer: the experts of a
+    fused parameter)."""
 
     name: str
     in_features: int
@@ -42,6 +53,29 @@ class LinearModule:
     bias: bool = False
     count: int = 1
     role: Role = Role.MLP
+    lora_names: tuple[str, ...] = ()
+    """The LoRA target names that reach it when they are not its own: fused experts keep the ``transformers`` 4
+    names (``w1``, ``w3`` -> ``gate_up_proj``), which peft 0.21 maps onto the fused parameter."""
+
+    @property
+    def target_names(self) -> tuple[str, ...]:
+        """The ``target_modules`` names that adapt this module (all of them at once for a fused one)."""
+        return self.lora_names or (self.name,)
+
+    @property
+    def is_linear(self) -> bool:
+        """Built as an ``nn.Linear``: see :data:`LINEAR_ROLES`."""
+        return self.role in LINEAR_ROLES
+
+    def lora_rank(self, rank: int) -> int:
+        """The rank peft gives its adapter: peft 0.21 multiplies ``r`` by the number of fused projections
+        (its ``rank_pattern`` for ``gate_up_proj``) so that w1 and w3 each keep a rank-r share."""
+        return rank * len(self.target_names)
+
+    def lora_parameters(self, rank: int) -> int:
+        """A: (lora rank x count) x in, B: out x (lora rank x count): peft's ``ParamWrapper`` stacks the experts'
+        adapters along the rank, so a fused parameter's adapter is as big as ``count`` separate ones."""
+        return self.lora_rank(rank) * self.count * (self.in_features + self.out_features)
 
     @property
     def weight_parameters(self) -> int:
@@ -123,10 +157,9 @@ class ModelShape:
         if self.is_moe:
             e = self.num_experts
             return attention + (
-                LinearModule("gate", h, e, role=Role.ROUTER),  # never quantized, rarely a LoRA target
-                LinearModule("w1", h, i, count=e),
-                LinearModule("w3", h, i, count=e),
-                LinearModule("w2", i, h, count=e),
+                LinearModule("gate", h, e, role=Role.ROUTER),
+                LinearModule("gate_up_proj", h, 2 * i, count=e, role=Role.EXPERTS, lora_names=("w1", "w3")),
+                LinearModule("down_proj", i, h, count=e, role=Role.EXPERTS, lora_names=("w2",)),
             )
         return attention + (
             LinearModule("gate_proj", h, i),
@@ -145,8 +178,8 @@ class ModelShape:
         gradients, so it costs one forward (4N)."""
         return self.forward_flops_per_token(sequence_length) * (3 if trains_base else 2)
 
-    def linears_of(self, role: Role) -> tuple[LinearModule, ...]:
-        return tuple(m for m in self.layer_linears if m.role is role)
+    def linears_of(self, *roles: Role) -> tuple[LinearModule, ...]:
+        return tuple(m for m in self.layer_linears if m.role in roles)
 
     # --- parameter counts ---------------------------------------------------------------------
     @property
@@ -184,16 +217,17 @@ class ModelShape:
 
     @cached_property
     def quantizable_parameters(self) -> int:
-        """Weights bitsandbytes replaces with 4-bit ones: decoder linears except the MoE router.
+        """Weights bitsandbytes replaces with 4-bit ones: the decoder's ``nn.Linear`` weights.
 
-        Embeddings, the LM head, norms and biases stay in higher precision under QLoRA.
+        Embeddings, the LM head, norms, biases, the MoE router and the fused experts (3-D parameters, not
+        ``nn.Linear``: most of an MoE model) stay in 16 bits under QLoRA.
         """
         return self.num_layers * sum(m.weight_parameters for m in self.quantizable_linears)
 
     @cached_property
     def quantizable_linears(self) -> tuple[LinearModule, ...]:
-        """The layer's linears bitsandbytes replaces with 4-bit ones (``count`` of each per layer)."""
-        return tuple(m for m in self.layer_linears if m.role is not Role.ROUTER)
+        """The layer's linears bitsandbytes replaces with 4-bit ones: its ``nn.Linear`` modules."""
+        return tuple(m for m in self.layer_linears if m.is_linear)
 
     @cached_property
     def largest_layer_parameters(self) -> int:
@@ -207,26 +241,40 @@ class ModelShape:
         if not self.is_moe:
             return self.parameter_count - self.embedding_parameters
         idle_experts = self.num_experts - self.experts_per_token
-        expert = sum(m.weight_parameters for m in self.layer_linears if m.count > 1) // self.num_experts
+        expert = sum(m.weight_parameters for m in self.linears_of(Role.EXPERTS)) // self.num_experts
         return self.parameter_count - self.embedding_parameters - self.num_layers * idle_experts * expert
 
     def lora_parameters(self, rank: int, target_modules: tuple[str, ...]) -> int:
-        """Trainable parameters of LoRA adapters (A: r x in, B: out x r) on the named modules."""
+        """Trainable parameters of the LoRA adapters peft creates on the named modules."""
+        return self.num_layers * sum(m.lora_parameters(rank) for m in self.lora_targeted(target_modules))
+
+    def lora_targeted(self, target_modules: tuple[str, ...]) -> tuple[LinearModule, ...]:
+        """The layer's modules that ``target_modules`` adapts."""
         targets = self.resolve_lora_targets(target_modules)
-        per_layer = sum(
-            rank * (m.in_features + m.out_features) * m.count for m in self.layer_linears if m.name in targets
-        )
-        return self.num_layers * per_layer
+        return tuple(m for m in self.layer_linears if targets.intersection(m.target_names))
 
     def resolve_lora_targets(self, target_modules: tuple[str, ...]) -> frozenset[str]:
-        """Turn ``all-linear`` (peft's shorthand) into module names; reject names the family lacks."""
-        names = {m.name for m in self.layer_linears}
+        """Turn ``all-linear`` (peft's shorthand) into target names; reject names the family lacks, and half of a
+        fused parameter (peft 0.21 refuses w1 without w3).
+
+        ``all-linear`` includes the MoE router and experts: peft 0.21 adds their ``transformers`` 4 names, which
+        were ``nn.Linear`` there, when it converts the config for ``transformers`` 5.
+        """
+        names = {name for m in self.layer_linears for name in m.target_names}
         if "all-linear" in target_modules:
-            return frozenset(names - {"gate"})
+            return frozenset(names)
         unknown = sorted(set(target_modules) - names)
         if unknown:
             raise ValueError(
                 f"unknown LoRA target module(s) {', '.join(unknown)} for a {self.family.value} model; "
                 f"its linear modules are {', '.join(sorted(names))} (or use all-linear)"
             )
+        for m in self.layer_linears:
+            named = set(target_modules).intersection(m.target_names)
+            missing = sorted(set(m.target_names) - named)
+            if named and missing:
+                raise ValueError(
+                    f"LoRA targets {', '.join(sorted(named))} without {', '.join(missing)}: they are one fused "
+                    f"parameter ({m.name}) in transformers 5, which peft adapts whole"
+                )
         return frozenset(target_modules)

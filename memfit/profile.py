@@ -91,6 +91,14 @@ class LoraModules(_Frozen):
     layers: tuple[int, ...] = ()
     in_features: int
     out_features: int
+    rank_multiple: int = Field(default=1, ge=1)
+    """lora_A's rows per unit of the configured rank: 1 for a Linear; a fused expert parameter's experts times
+    the projections fused in it (peft stacks the experts' adapters along the rank and doubles ``r`` for
+    ``gate_up_proj``)."""
+
+    def adapter_parameters(self, rank: int) -> int:
+        """Parameters of the adapters (lora_A and lora_B) on these modules at LoRA rank ``rank``."""
+        return rank * self.rank_multiple * (self.in_features + self.out_features) * max(1, len(self.layers))
 
     def names(self) -> list[str]:
         """The full module names, as ``named_modules()`` spells them."""
@@ -107,6 +115,10 @@ class LoraResolution(_Frozen):
 
     def names(self) -> list[str]:
         return sorted(name for group in self.modules for name in group.names())
+
+    def adapter_parameters(self, rank: int) -> int:
+        """Trainable parameters peft creates for these targets at LoRA rank ``rank``."""
+        return sum(group.adapter_parameters(rank) for group in self.modules)
 
 
 class ModelProfile(_Frozen):

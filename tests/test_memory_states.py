@@ -228,11 +228,17 @@ GRID = list(
 )
 
 
+CORRECTED_SINCE = {("mixtral-8x7b", "lora"), ("mixtral-8x7b", "qlora")}
+"""Recorded numbers that were wrong by the model's own code: transformers 5 fuses Mixtral's experts into 3-D
+parameters, which bitsandbytes leaves in 16 bits and peft adapts with stacked, gate_up_proj-doubled ranks (and
+all-linear adapts the router); tests/test_presets_vs_profiles.py checks the corrected counts."""
+
+
 def test_fp32_masters_reproduce_the_previous_model_exactly() -> None:
     """Adam and Lion with fp32 masters (and fp32 training): every term as before bf16 masters existed. The
     8-bit optimizers and Adafactor changed on purpose (per-tensor states, paging, flat ZeRO partitions)."""
     for preset, method, stage, gpus, offload, precision, optimizer in GRID:
-        if stage == 0 and offload != "none":
+        if stage == 0 and offload != "none" or (preset, method) in CORRECTED_SINCE:
             continue
         shape = MODEL_PRESETS[preset]
         s = strategy(stage, gpus, offload, method=method, precision=precision, optimizer=optimizer)

@@ -188,20 +188,26 @@ def _mlp(shape: ModelShape, setup: ActivationSetup) -> int:
 
 
 _SHARED_INPUTS = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "qkv_proj": "attn",
-                  "gate_proj": "mlp", "up_proj": "mlp", "gate_up_proj": "mlp", "w1": "mlp", "w3": "mlp"}  # fmt: skip
+                  "gate_proj": "mlp", "up_proj": "mlp", "gate_up_proj": "mlp"}  # fmt: skip
 """Adapters whose base modules read the same tensor (they share it when no copy is made)."""
 
 
 def _lora(shape: ModelShape, setup: ActivationSetup) -> int:
     """Adapters keep their input (their own copy when dropout or a dtype cast makes one, with the
-    dropout's bool mask) and the rank-r output of lora_A, both in the adapters' dtype."""
+    dropout's bool mask) and the rank-r output of lora_A, both in the adapters' dtype. An adapter on a
+    parameter that is no ``nn.Linear`` (fused experts, the MoE router) sees no tokens: peft's ``ParamWrapper``
+    folds it into a new copy of the whole weight (``W + B @ A``) each forward, which the layer's matmuls keep
+    for backward."""
     if setup.method == Method.FULL:
         return 0
     t, w, adapter = setup.tokens, setup.element_bytes, setup.adapter_bytes
     copies = setup.lora_dropout or adapter != w
     saved, shared_seen = 0, set()
     for module in shape.layer_linears:
-        if module.name not in setup.lora_targets:
+        if not setup.lora_targets.intersection(module.target_names):
+            continue
+        if not module.is_linear:
+            saved += module.weight_parameters * w
             continue
         saved += module.count * t * setup.lora_rank * adapter
         if copies:
@@ -246,7 +252,8 @@ def _eager_attention_backward(shape: ModelShape, setup: ActivationSetup, per_lay
     16-bit, like the scores) are alive, and in full fine-tuning so are the MLP weights' gradients."""
     t, w = setup.tokens, setup.element_bytes
     scores_gradient = setup.micro_batch_size * shape.num_attention_heads * setup.sequence_length**2 * (FP32 + w)
-    mlp_weights = sum(m.weight_parameters for m in shape.linears_of(Role.MLP)) * w if setup.method == Method.FULL else 0
+    mlp = shape.linears_of(Role.MLP, Role.EXPERTS)
+    mlp_weights = sum(m.weight_parameters for m in mlp) * w if setup.method == Method.FULL else 0
     return per_layer - _mlp(shape, setup) + scores_gradient + 2 * t * shape.hidden_size * w + mlp_weights
 
 

@@ -17,7 +17,7 @@ from functools import lru_cache
 from memfit.api.vocabulary import EIGHT_BIT_OPTIMIZERS, Method, Optimizer
 from memfit.memory.setup import Adapters
 from memfit.memory.sizes import FP32
-from memfit.model_shape import ModelShape
+from memfit.model_shape import ModelShape, Role
 
 EIGHT_BIT_MIN_SIZE = 4096
 """bitsandbytes' ``min_8bit_size``: a tensor of fewer elements gets two fp32 states instead of 8-bit ones."""
@@ -60,31 +60,24 @@ def trainable_tensors(shape: ModelShape, method: Method, adapters: Adapters) -> 
     tensors have it (the layers repeat theirs: counted, not listed, whatever the depth).
 
     Full fine-tuning: embedding, LM head (unless tied), the final norm and per layer its norms, the linear
-    weights (``out x in``) and biases. Mixtral's experts are two fused 3-d parameters per layer in
-    ``transformers`` (``gate_up_proj``: experts x 2·intermediate x hidden, ``down_proj``: experts x hidden x
-    intermediate), its router a plain ``experts x hidden`` weight. LoRA and QLoRA: ``lora_A`` (rank x in) and
-    ``lora_B`` (out x rank) per targeted linear (and per expert)."""
+    weights (``out x in``) and biases; fused experts are one 3-d parameter each (``experts x out x in``:
+    Mixtral's ``gate_up_proj`` and ``down_proj``). LoRA and QLoRA: ``lora_A`` (rank x in) and ``lora_B``
+    (out x rank) per targeted module, where peft's rank of a fused parameter stacks its experts' adapters
+    (:meth:`~memfit.model_shape.LinearModule.lora_parameters`)."""
     h = shape.hidden_size
     layer: list[tuple[int, ...]] = []
     if method == Method.FULL:
         layer += [(h,)] * shape.norms_per_layer
-        experts = {m.name: m for m in shape.layer_linears if m.count > 1}
         for m in shape.layer_linears:
-            if m.count > 1:
-                continue
-            layer.append((m.out_features, m.in_features))
+            fused = (m.count,) if m.role is Role.EXPERTS else ()
+            layer.append((*fused, m.out_features, m.in_features))
             if m.bias:
                 layer.append((m.out_features,))
-        if experts:
-            w1, w3, w2 = experts["w1"], experts["w3"], experts["w2"]
-            layer.append((w1.count, w1.out_features + w3.out_features, w1.in_features))
-            layer.append((w2.count, w2.out_features, w2.in_features))
         model = [(shape.vocab_size, h), (h,)] + ([] if shape.tie_word_embeddings else [(shape.vocab_size, h)])
         return _counted(model, layer, shape.num_layers)
-    targets, rank = shape.resolve_lora_targets(adapters.targets), adapters.rank
-    for m in shape.layer_linears:
-        if m.name in targets:
-            layer += [(rank, m.in_features), (m.out_features, rank)] * m.count
+    for m in shape.lora_targeted(adapters.targets):
+        rows = m.lora_rank(adapters.rank) * m.count
+        layer += [(rows, m.in_features), (m.out_features, rows)]
     return _counted([], layer, shape.num_layers)
 
 

@@ -157,16 +157,26 @@ def lora_resolution(model: Any, target_modules: str | tuple[str, ...], prefix: s
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     targets = target_modules if isinstance(target_modules, str) else list(target_modules)
-    wrapped: Any = get_peft_model(copy.deepcopy(model), LoraConfig(target_modules=targets))
-    groups: dict[tuple[str, str | None, int, int], list[int]] = {}
+    config = LoraConfig(target_modules=targets)
+    wrapped: Any = get_peft_model(copy.deepcopy(model), config)
+    groups: dict[tuple[str, str | None, int, int, int], list[int]] = {}
     for name, module in wrapped.base_model.model.named_modules():
         if isinstance(module, BaseTunerLayer):
             pattern, layer = _layer_pattern(name, prefix)
-            key = (pattern, getattr(module, "parameter_name", None), *_features(module))
+            lora_a: Any = module.lora_A  # type: ignore[attr-defined]  # a LoraLayer's adapters
+            rows = next(iter(lora_a.values())).out_features
+            key = (pattern, getattr(module, "parameter_name", None), *_features(module), rows // config.r)
             groups.setdefault(key, []).extend([] if layer is None else [layer])
     modules = tuple(
-        LoraModules(name=name, parameter=parameter, layers=tuple(layers), in_features=fan_in, out_features=fan_out)
-        for (name, parameter, fan_in, fan_out), layers in groups.items()
+        LoraModules(
+            name=name,
+            parameter=parameter,
+            layers=tuple(layers),
+            in_features=fan_in,
+            out_features=fan_out,
+            rank_multiple=multiple,
+        )
+        for (name, parameter, fan_in, fan_out, multiple), layers in groups.items()
     )
     return LoraResolution(target_modules=target_modules, modules=modules)
 
