@@ -28,19 +28,11 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from calibration.memtrace import (
-    _build_model,
-    _fake_run,
-    _fake_weights,
-    _optimizer,
-    _transient,
-    lora_settings,
-    shape_fields,
-    tracked_training_steps,
-)
+from calibration.memtrace import _build_model, _optimizer, lora_settings, shape_fields, tracked_training_steps
 from memfit.api.vocabulary import Attention, MasterWeights, Method, Precision
 from memfit.contract.engines import Fsdp2EngineSection
 from memfit.model_shape import ModelShape
+from memfit_trainer.fake_trace import fake_run, fake_weights, transient
 
 Trainable = Literal[Method.FULL, Method.LORA]
 
@@ -117,7 +109,7 @@ def trace_fsdp2_step(
         "versions": {"torch": torch.__version__},
         "peak_total": phases[peak_phase]["peak"]["total"],
         "peak_phase": peak_phase,
-        "activation_bytes": _transient(phases[peak_phase]["peak"]),
+        "activation_bytes": transient(phases[peak_phase]["peak"]),
         "start": start,
         "phases": phases,
     }
@@ -132,8 +124,8 @@ def _traced_step(
         shape, Precision.BF16, Attention.SDPA, settings["gradient_checkpointing"], trainable, lora_rank or 0,
         lora_targets, settings["lora_dropout"] or 0.0,
     )  # fmt: skip
-    with _fake_run("implicit"):
-        _fake_weights(model)
+    with fake_run("implicit"):
+        fake_weights(model)
         if trainable == Method.LORA:  # the trainer casts adapters to the compute dtype
             for p in model.parameters():
                 if p.requires_grad:

@@ -26,16 +26,13 @@ rows of one document each with an ``attention_mask``; both make ``transformers``
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Literal, cast
 
 import numpy as np
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -48,82 +45,24 @@ from memfit_trainer.blocks import one_per_row, pack
 from memfit_trainer.chat import Tokens
 from memfit_trainer.chunked_loss import causal_lm_loss, unwrap_causal_lm
 from memfit_trainer.data import model_inputs
+from memfit_trainer.fake_trace import (
+    HOST,
+    CausalMask,
+    PhaseMemTracker,
+    categories_of,
+    fake_run,
+    fake_weights,
+    transient,
+)
 from memfit_trainer.hf_config import transformers_config
 
 Dtype = Literal[Precision.BF16, Precision.FP32]
 TracedAttention = Literal[Attention.SDPA, Attention.EAGER]
 Trainable = Literal[Method.FULL, Method.LORA]
 OptimizerImpl = Literal["foreach", "for-loop", "fused"]
-CausalMask = Literal["implicit", "explicit"]
 Batch = Literal["plain", "packed", "padded"]
 
-CATEGORIES: tuple[str, ...] = ("PARAM", "BUFFER", "GRAD", "ACT", "TEMP", "OPT", "OTH")
-"""MemTracker's categories by enum member name (``OTH`` holds externally tracked inputs)."""
-HOST = torch.device("meta")
-"""Where offloaded activations go in a trace: bytes there are host memory, not in the traced device's total."""
-
 _TORCH_DTYPES: dict[Precision, torch.dtype] = {Precision.BF16: torch.bfloat16, Precision.FP32: torch.float32}
-_STATE_CATEGORIES = ("PARAM", "BUFFER", "GRAD", "OPT")
-
-
-class _PhaseMemTracker(MemTracker):  # type: ignore[no-untyped-call]  # torch's __init_subclass__ is unannotated
-    """MemTracker with one peak per phase of a step, and gradients labelled GRAD from their allocation.
-
-    ``MemTracker`` keeps one peak per context, copied when the total peaks (a breakdown *at* the peak,
-    not per-category maxima), reset only on ``__enter__``; re-entering to restart it would drop the
-    gradient hooks. It also labels a parameter's fresh gradient TEMP until the gradient hook runs, so a
-    peak that coincides with, say, the LM head's weight gradient shows it as a temporary. This subclass
-    records the breakdown after every op instead, with the live TEMP storages, and relabels at the end
-    of a phase those that became gradients. It overrides two private methods of this private torch tool:
-    ``_update_snap`` (to know live TEMP storages) and ``_update_peak_stats`` (module-level peaks, unused
-    here, cost a loop over all modules per op).
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._live_temp: dict[int, Any] = {}
-        self._records: list[tuple[dict[str, int], tuple[Any, ...]]] = []
-
-    def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True) -> Any:
-        # MemTracker registers a gradient hook on every parameter, which raises for frozen ones (LoRA's
-        # base weights); a placeholder handle makes it skip them.
-        for param in module.parameters():
-            if not param.requires_grad:
-                handles = (_NoHook(), _NoHook())
-                # (WeakIdKeyDictionary's methods are unannotated in torch.)
-                self._param_to_grad_hook_handles.setdefault(param, handles)  # type: ignore[no-untyped-call]
-        return super()._track_module_params_and_buffers(module, install_grad_hooks)
-
-    def _update_snap(self, u_type: Any, winfo: Any, *args: Any, **kwargs: Any) -> None:
-        super()._update_snap(u_type, winfo, *args, **kwargs)
-        if winfo.reftype is _MemRefType.TEMP and u_type.name in ("ADD", "REF"):
-            self._live_temp[id(winfo)] = winfo
-        elif u_type.name in ("DEL", "REF"):
-            self._live_temp.pop(id(winfo), None)
-
-    def _update_peak_stats(self, peak_state: Any) -> None:
-        self._records.append((_categories(self._curr_mem_snap), tuple(self._live_temp.values())))
-
-    def phase_summary(self) -> dict[str, dict[str, int]]:
-        """Breakdowns at the phase's peak, at its end, at its peak of non-state memory and at its peak of
-        host memory (offloaded activations); then restart."""
-        self._update_peak_stats(None)
-        moments = [_relabel_gradients(categories, temps) for categories, temps in self._records]
-        self._records.clear()
-        self._update_peak_stats(None)
-        return {
-            "peak": max(moments, key=lambda c: c["total"]),
-            "end": moments[-1],
-            "transient_peak": max(moments, key=_transient),
-            "host_peak": max(moments, key=lambda c: c["HOST"]),
-        }
-
-
-class _NoHook:
-    """Stands for the gradient-hook handle a frozen parameter cannot have."""
-
-    def remove(self) -> None:
-        """Nothing was registered."""
 
 
 def lora_settings(trainable: str, rank: int, targets: tuple[str, ...], dropout: float) -> dict[str, Any]:
@@ -134,82 +73,6 @@ def lora_settings(trainable: str, rank: int, targets: tuple[str, ...], dropout: 
         "lora_targets": list(targets) if lora else None,
         "lora_dropout": dropout if lora else None,
     }
-
-
-def _relabel_gradients(categories: dict[str, int], live_temp: tuple[Any, ...]) -> dict[str, int]:
-    """Move the bytes of TEMP storages that later became parameter gradients from TEMP to GRAD."""
-    fresh = sum(w.mem_consumed for w in live_temp if w.reftype is _MemRefType.GRAD)
-    return {**categories, "TEMP": categories["TEMP"] - fresh, "GRAD": categories["GRAD"] + fresh}
-
-
-def _categories(snapshot: dict[torch.device, dict[Any, int]]) -> dict[str, int]:
-    """Flatten a MemTracker snapshot into ``{category name: bytes, "total": bytes}`` of the traced device,
-    with ``HOST``: the bytes offloaded to :data:`HOST` (in no category and not in the total)."""
-    out = dict.fromkeys((*CATEGORIES, "total", "HOST"), 0)
-    for device, dev_snap in snapshot.items():
-        for key, value in dev_snap.items():
-            if device == HOST:
-                out["HOST"] += 0 if isinstance(key, _MemRefType) else value
-                continue
-            out[key.name if isinstance(key, _MemRefType) else "total"] += value
-    return out
-
-
-def _transient(categories: dict[str, int]) -> int:
-    """Bytes that are not model state: activations, backward temporaries and untracked extras."""
-    return categories.get("total", 0) - sum(categories.get(c, 0) for c in _STATE_CATEGORIES)
-
-
-@contextlib.contextmanager
-def _real_run_mask_decisions(causal_mask: CausalMask) -> Iterator[None]:
-    """Make ``transformers`` choose the attention mask a real run of unpacked sequences would choose.
-
-    To detect packed sequences ``transformers`` reads the values of ``position_ids``; it cannot read fake
-    tensors, so it assumes packing and builds an explicit ``(b, 1, s, s)`` mask. That also disables SDPA's
-    ``is_causal`` path and native GQA (keys and values get repeated to all heads). Real unpadded batches
-    with ``arange`` positions are not packed, so ``implicit`` answers "not packed" as a real run would;
-    ``explicit`` keeps the mask, as for padded batches.
-    """
-    if causal_mask == "explicit":
-        yield
-        return
-    from transformers import masking_utils
-
-    original = masking_utils.find_packed_sequence_indices
-    masking_utils.find_packed_sequence_indices = lambda position_ids: None
-    try:
-        yield
-    finally:
-        masking_utils.find_packed_sequence_indices = original
-
-
-@contextlib.contextmanager
-def _cuda_like_dropout() -> Iterator[None]:
-    """Make training-mode dropout save what it saves on a GPU: a bool mask, not a mask of the input dtype.
-
-    ``aten::dropout`` takes the fused ``native_dropout`` kernel only for CUDA inputs; on CPU it multiplies
-    by a noise tensor of the input's dtype, which autograd saves (2-4 bytes per element instead of 1).
-    peft's ``lora_dropout`` (0.05 in memfit's API) runs once per adapted module, so this matters.
-    """
-    original = torch.nn.functional.dropout
-
-    def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
-        if training and 0 < p < 1 and not inplace:
-            return torch.native_dropout(input, p, True)[0]
-        return original(input, p, training, inplace)
-
-    torch.nn.functional.dropout = dropout
-    try:
-        yield
-    finally:
-        torch.nn.functional.dropout = original
-
-
-@contextlib.contextmanager
-def _fake_run(causal_mask: CausalMask) -> Iterator[FakeTensorMode]:
-    """Fake tensors on the CPU device, with the mask and dropout choices of a real GPU run."""
-    with FakeTensorMode() as mode, _real_run_mask_decisions(causal_mask), _cuda_like_dropout():
-        yield mode
 
 
 def _real_batch(batch: Batch, micro_batch: int, seq_len: int, vocab_size: int) -> dict[str, torch.Tensor]:
@@ -237,7 +100,7 @@ def _build_model(
 ) -> torch.nn.Module:
     """The family's causal LM in training mode on the meta device, optionally with LoRA (base frozen).
 
-    Built outside ``FakeTensorMode`` and given fake weights afterwards by :func:`_fake_weights`: modules
+    Built outside ``FakeTensorMode`` and given fake weights afterwards by :func:`fake_weights`: modules
     created under ``FakeTensorMode`` cannot be moved with ``.to()`` (the fake-tensor converter keeps a weak
     reference to every parameter, which ``swap_tensors`` refuses), and peft moves its adapters to the base
     layer's device and dtype.
@@ -272,27 +135,6 @@ def _build_model(
     return cast(torch.nn.Module, model)
 
 
-def _fake_weights(model: torch.nn.Module) -> None:
-    """Replace meta parameters and buffers by fake CPU ones in place (call under ``FakeTensorMode``).
-
-    Tied weights stay tied: each distinct tensor is replaced once.
-    """
-    replaced: dict[int, torch.Tensor] = {}
-
-    def fake(t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in replaced:
-            empty = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-            replaced[id(t)] = torch.nn.Parameter(empty, t.requires_grad) if isinstance(t, torch.nn.Parameter) else empty
-        return replaced[id(t)]
-
-    for module in model.modules():
-        registries: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
-        for registry in registries:
-            for name, tensor in registry.items():
-                if tensor is not None:
-                    registry[name] = fake(tensor)
-
-
 def _optimizer(params: list[torch.nn.Parameter], impl: OptimizerImpl) -> torch.optim.Optimizer:
     """AdamW as a GPU run gets it: ``foreach`` is PyTorch's default on CUDA (and allocates temporaries)."""
     return torch.optim.AdamW(params, lr=1e-4, foreach=impl == "foreach", fused=True if impl == "fused" else None)
@@ -310,11 +152,11 @@ def tracked_training_steps(
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    tracker = _PhaseMemTracker()
+    tracker = PhaseMemTracker()
     tracker.track_external(model, opt)
     phases: dict[str, dict[str, dict[str, int]]] = {}
     with tracker:
-        start = _categories(tracker.get_tracker_snapshot())
+        start = categories_of(tracker.get_tracker_snapshot())
         tracker.phase_summary()
         loss = forward()
         phases["forward"] = tracker.phase_summary()
@@ -401,8 +243,8 @@ def trace_training_step(
     if activation_offloading:  # the trainer's hooks (memfit_trainer.activation_offload), to the stand-in host
         offload_activations(model, host=HOST)
     real_inputs = _real_batch(batch, micro_batch, seq_len, shape.vocab_size)
-    with _fake_run(causal_mask) as mode:
-        _fake_weights(model)
+    with fake_run(causal_mask) as mode:
+        fake_weights(model)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = _optimizer(params, optimizer_impl)
         inputs: dict[str, torch.Tensor] = {name: mode.from_tensor(tensor) for name, tensor in real_inputs.items()}
@@ -425,8 +267,8 @@ def trace_training_step(
         "peak_total": at_peak["total"],
         "peak_phase": peak_phase,
         "at_peak": at_peak,
-        "activation_bytes": _transient(at_peak),
-        "transient_peak_bytes": max(_transient(p["transient_peak"]) for p in phases.values()),
+        "activation_bytes": transient(at_peak),
+        "transient_peak_bytes": max(transient(p["transient_peak"]) for p in phases.values()),
         "host_peak_bytes": max(p["host_peak"]["HOST"] for p in phases.values()),
         "start": start,
         "phases": phases,
@@ -488,8 +330,8 @@ def saved_tensors(
     Parameters are left out, since they exist anyway.
     """
     model = _build_model(shape, dtype, attention, False, trainable, lora_rank, lora_targets, lora_dropout)
-    with _fake_run(causal_mask):
-        _fake_weights(model)
+    with fake_run(causal_mask):
+        fake_weights(model)
         input_ids = torch.randint(0, shape.vocab_size, (micro_batch, seq_len))
         names = {module: name for name, module in model.named_modules()}
         params = WeakIdKeyDictionary({p.untyped_storage(): True for p in model.parameters()})

@@ -21,8 +21,8 @@ from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-PROFILE_VERSION = 1
-"""Bumped when a field changes meaning; a reader refuses a profile of another version."""
+PROFILE_VERSION = 2
+"""Bumped when a field changes meaning; a reader refuses a profile of another version (2: ``activations``)."""
 
 
 class Role(StrEnum):
@@ -121,6 +121,74 @@ class LoraResolution(_Frozen):
         return sum(group.adapter_parameters(rank) for group in self.modules)
 
 
+class ActivationTerm(_Frozen):
+    """Bytes as a function of ``T``, the tokens of one micro-batch row (batch 1), solved exactly from traces.
+
+    ``bytes(T) = per_token·T + per_token_squared·T·min(T, window) + constant`` (no window: ``T·T``). The
+    coefficients are the exact solution through three traced token counts, and ``exact`` says whether they
+    then predicted every further traced count to the byte; where not, ``measured`` is the truth to use.
+    """
+
+    per_token: float
+    per_token_squared: float
+    constant: float
+    window: int | None = None
+    """Where the quadratic term stops growing (a sliding window), if the traces show it does."""
+    valid_from: int = 0
+    """The form holds from this token count up; below it, only the measured points are known (an SDPA model
+    builds a sliding-window mask only once the sequence outgrows the window)."""
+    measured: tuple[tuple[int, int], ...]
+    """``(tokens, bytes)`` of every trace: the three solved for and the ones checked."""
+    exact: bool
+
+    def bytes(self, tokens: int) -> int:
+        """The term at ``tokens`` tokens."""
+        if tokens < self.valid_from:
+            known = dict(self.measured)
+            if tokens not in known:
+                raise ValueError(f"{tokens} tokens: below {self.valid_from}, only {sorted(known)} were traced")
+            return known[tokens]
+        quadratic = tokens * min(tokens, self.window or tokens)
+        return round(self.per_token * tokens + self.per_token_squared * quadratic + self.constant)
+
+
+class LayerActivations(_Frozen):
+    """What one decoder layer of a type keeps for backward, and the extra its own backward needs at its worst."""
+
+    layer_type: str
+    attention: str
+    """The ``attn_implementation`` traced."""
+    saved: ActivationTerm
+    """Alive at the end of the forward because of this layer (what autograd saved, and its output)."""
+    backward_peak: ActivationTerm
+    """Above what was alive when the layer's backward started, the most its backward adds at once
+    (gradients of parameters not counted: they are model state)."""
+
+
+class ActivationProfile(_Frozen):
+    """Activation terms traced from a truncated copy of the model (one layer of each type, real widths):
+    a training micro-batch of one row in bf16, forward and backward, gradient checkpointing off, full
+    fine-tuning, under FakeTensorMode with torch's MemTracker (``memfit_trainer.activation_profile``)."""
+
+    dtype: str
+    micro_batch: int = Field(ge=1)
+    attention: str
+    outside_layers: ActivationTerm
+    """Alive at the end of the forward outside the decoder layers: embedding output, masks, rotary tables,
+    final norm, logits and loss."""
+    layers: tuple[LayerActivations, ...]
+    """One per (layer type, attention kernel)."""
+
+    def layer(self, layer_type: str) -> LayerActivations:
+        """The terms of a layer type."""
+        return next(entry for entry in self.layers if entry.layer_type == layer_type)
+
+    def forward_end_bytes(self, layer_types: tuple[str, ...], tokens: int) -> int:
+        """Activations alive when the forward of a model with these decoder layers ends, at ``tokens``."""
+        saved = sum(self.layer(kind).saved.bytes(tokens) for kind in layer_types)
+        return self.outside_layers.bytes(tokens) + saved
+
+
 class ModelProfile(_Frozen):
     """A model as its ``transformers`` class builds it from one config.json."""
 
@@ -142,6 +210,8 @@ class ModelProfile(_Frozen):
     """``attn_implementation`` values the class supports (``eager`` always)."""
     tensors: tuple[TensorGroup, ...]
     lora: tuple[LoraResolution, ...] = ()
+    activations: ActivationProfile | None = None
+    """Traced activation terms per layer type; None unless asked for (``--activations``)."""
 
     @model_validator(mode="after")
     def _known_version(self) -> Self:

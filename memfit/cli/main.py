@@ -46,7 +46,7 @@ def _data_preview(args: argparse.Namespace) -> int:
 def _profile(args: argparse.Namespace) -> int:
     from memfit.cli.profile_command import run_profile
 
-    return run_profile(args.model, args.output, args.lora_targets)
+    return run_profile(args.model, args.output, args.lora_targets, args.activations)
 
 
 def _crd(args: argparse.Namespace) -> int:
@@ -156,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="NAMES",
         help="also resolve these comma-separated LoRA target_modules (repeatable; all-linear always)",
+    )
+    profile.add_argument(
+        "--activations",
+        action="store_true",
+        help="also trace activation bytes per layer type (fake tensors; seconds to a minute)",
     )
     profile.set_defaults(handler=_profile)
 

@@ -17,7 +17,7 @@ from rich.table import Table
 
 from memfit.catalog.model_configs import stored_config_path
 from memfit.cli.exit_codes import ExitCode
-from memfit.profile import LoraModules, ModelProfile
+from memfit.profile import ActivationProfile, ActivationTerm, LoraModules, ModelProfile
 
 BILLION = 1e9
 
@@ -71,8 +71,25 @@ def _print_text(profile: ModelProfile, console: Console) -> None:
         label = targets if isinstance(targets, str) else ",".join(targets)
         suffixes = dict.fromkeys(_lora_label(group) for group in resolution.modules)
         facts[f"LoRA {label}"] = f"{len(resolution.names())} modules: {', '.join(suffixes) or 'none'}"
+    if profile.activations is not None:
+        facts.update(_activation_facts(profile.activations))
     for key, value in facts.items():
         console.print(f"{key}: {value}", highlight=False, markup=False)
+
+
+def _activation_facts(activations: ActivationProfile) -> dict[str, str]:
+    """One line per traced term: bytes per token, per token squared (up to the window), and constant."""
+    terms = {"outside layers": activations.outside_layers}
+    for layer in activations.layers:
+        terms[f"{layer.layer_type} ({layer.attention}) saved"] = layer.saved
+        terms[f"{layer.layer_type} ({layer.attention}) backward"] = layer.backward_peak
+    return {f"activations, {name}": _term(term) for name, term in terms.items()}
+
+
+def _term(term: ActivationTerm) -> str:
+    window = f"T·min(T, {term.window})" if term.window else "T²"
+    text = f"{term.per_token:g}·T + {term.per_token_squared:g}·{window} + {term.constant:g} bytes"
+    return text if term.exact else f"{text} (not exact: use the measured points)"
 
 
 def _lora_label(group: LoraModules) -> str:
@@ -81,10 +98,12 @@ def _lora_label(group: LoraModules) -> str:
     return f"{module}.{group.parameter}" if group.parameter else module
 
 
-def run_profile(model: str, output: str, lora_targets: list[str]) -> int:
+def run_profile(model: str, output: str, lora_targets: list[str], activations: bool = False) -> int:
     command = [sys.executable, "-m", "memfit_trainer.profile", str(_model_path(model)), "-o", "json"]
     for targets in lora_targets:
         command += ["--lora-targets", targets]
+    if activations:
+        command.append("--activations")
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         lines = done.stderr.strip().splitlines()

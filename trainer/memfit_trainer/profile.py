@@ -5,8 +5,9 @@ builds the model under ``torch.device("meta")`` (no memory, no weights, no downl
 tensor is classified by role and decoder-layer type. What bitsandbytes 4-bit would quantize and what LoRA
 would wrap come from transformers' and peft's own rules, applied to the same meta model.
 
-``python -m memfit_trainer.profile PATH [-o json] [--lora-targets q_proj,v_proj]`` prints the profile as
-JSON (``memfit profile`` renders it); bad input exits 2 with one line.
+``python -m memfit_trainer.profile PATH [-o json] [--lora-targets q_proj,v_proj] [--activations]`` prints the
+profile as JSON (``memfit profile`` renders it; ``--activations`` adds the traced activation terms of
+``memfit_trainer.activation_profile``); bad input exits 2 with one line.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from memfit.profile import (
     TensorGroup,
     canonical_config_sha256,
 )
+from memfit_trainer.activation_profile import activation_profile
 
 EXIT_BAD_INPUT = 2
 MESSAGE_LENGTH = 200
@@ -250,8 +252,11 @@ def experts_of(text_config: Any, model: Any, prefix: str) -> Experts | None:
     return Experts(num_experts=count, experts_per_token=per_token, layers=tuple(sorted(routed))) if routed else None
 
 
-def profile(config: dict[str, Any], lora_targets: Sequence[tuple[str, ...]] = ()) -> ModelProfile:
-    """The profile of the model this config.json describes (built on the meta device)."""
+def profile(
+    config: dict[str, Any], lora_targets: Sequence[tuple[str, ...]] = (), activations: bool = False
+) -> ModelProfile:
+    """The profile of the model this config.json describes (built on the meta device), with its traced
+    activation terms if asked (off by default: tens of seconds for a full-size config)."""
     model = build_meta_model(config)
     text = model.config.get_text_config()
     num_layers = int(text.num_hidden_layers)
@@ -278,6 +283,7 @@ def profile(config: dict[str, Any], lora_targets: Sequence[tuple[str, ...]] = ()
         attention_kernels=kernels,
         tensors=tensors,
         lora=tuple(lora_resolution(model, targets, prefix) for targets in resolved),
+        activations=activation_profile(config) if activations else None,
     )
 
 
@@ -288,9 +294,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--lora-targets", action="append", default=[], metavar="NAMES", help="comma-separated target_modules"
     )
+    parser.add_argument("--activations", action="store_true", help="also trace activation bytes per layer type")
     args = parser.parse_args(argv)
     try:
-        result = profile(read_config(args.path), [tuple(names.split(",")) for names in args.lora_targets])
+        targets = [tuple(names.split(",")) for names in args.lora_targets]
+        result = profile(read_config(args.path), targets, args.activations)
     except ProfileError as error:
         print(f"memfit profile: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

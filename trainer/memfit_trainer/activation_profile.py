@@ -1,0 +1,252 @@
+"""Trace a model's activation terms per decoder-layer type: the activation half of a profile (``memfit.profile``).
+
+No per-family formula exists for layers like Gated-DeltaNet, sliding windows with sinks, or fused experts, so
+the model's own code is run instead: a truncated copy of its text config (one decoder layer of each distinct
+type, at the real widths) trains one micro-batch of one row (bf16, forward and backward, no gradient
+checkpointing, full fine-tuning) on fake tensors while torch's MemTracker counts bytes
+(``memfit_trainer.fake_trace``). Hooks on each decoder layer read what the layer leaves alive at the end of its
+forward and the most its backward adds above what was alive when that backward started. The traces at
+several token counts are solved exactly for ``a·T + b·T² + c`` (``T·min(T, window)`` where a sliding window
+bounds the quadratic term; past the window for a term that appears only there) and every further count is
+checked to the byte; no factor is fitted. A term that no such form reproduces keeps its measured points.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+from memfit.profile import ActivationProfile, ActivationTerm, LayerActivations
+
+DEFAULT_TOKENS = (256, 512, 1024, 2048)
+"""Token counts traced for every model: three to solve for and one to check."""
+DTYPE = "bfloat16"
+FULL_ATTENTION = "full_attention"
+Coefficients = tuple[Fraction, Fraction, Fraction]
+
+
+@dataclass(frozen=True)
+class LayerTrace:
+    """One decoder layer's bytes in one trace."""
+
+    layer_type: str
+    saved: int
+    backward_peak: int
+
+
+@dataclass(frozen=True)
+class Trace:
+    """One traced training micro-batch: the activations alive when its forward ended, and per layer."""
+
+    tokens: int
+    forward_end: int
+    layers: tuple[LayerTrace, ...]
+
+    @property
+    def outside_layers(self) -> int:
+        return self.forward_end - sum(layer.saved for layer in self.layers)
+
+
+def text_config(config: dict[str, Any]) -> Any:
+    """The ``transformers`` config of the text decoder a config.json describes (a multimodal one's text part)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(**config).get_text_config()
+
+
+def distinct_layer_types(text: Any) -> tuple[str, ...]:
+    """The decoder's layer types in order of first appearance (``full_attention`` where the config names none)."""
+    kinds = getattr(text, "layer_types", None) or [FULL_ATTENTION] * int(text.num_hidden_layers)
+    return tuple(dict.fromkeys(kinds))
+
+
+def truncated(text: Any, layer_types: Sequence[str]) -> Any:
+    """A copy of the text config with exactly these decoder layers, widths unchanged.
+
+    ``layer_types`` is set explicitly, which is what configs that derive it from a pattern
+    (``sliding_window_pattern``, ``full_attention_interval``) read first.
+    """
+    short = copy.deepcopy(text)
+    short.num_hidden_layers = len(layer_types)
+    if getattr(text, "layer_types", None) is not None:
+        short.layer_types = list(layer_types)
+    elif set(layer_types) != {FULL_ATTENTION}:
+        raise ValueError(f"{text.model_type} names no layer types, cannot build {sorted(set(layer_types))}")
+    short.use_cache = False
+    return short
+
+
+def attention_kernel(text: Any) -> str:
+    """``sdpa`` where the model class supports it, else ``eager`` (gpt-oss's sinks, for one)."""
+    from transformers import AutoModelForCausalLM
+
+    model_class = AutoModelForCausalLM._model_mapping[type(text)]
+    return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
+
+
+def trace(text: Any, layer_types: Sequence[str], tokens: int, attention: str) -> Trace:
+    """Train one row of ``tokens`` tokens through a copy of the model with these decoder layers, on fake tensors."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from memfit_trainer.fake_trace import PhaseMemTracker, categories_of, fake_run, fake_weights, transient
+
+    auto_model: Any = AutoModelForCausalLM  # untyped classmethods
+    with torch.device("meta"):
+        model = auto_model.from_config(
+            truncated(text, layer_types), attn_implementation=attention, dtype=torch.bfloat16
+        )
+    model.train()
+    layers = list(model.get_decoder().layers)
+    ids = torch.randint(0, int(text.vocab_size), (1, tokens))
+    with fake_run("implicit") as mode:
+        fake_weights(model)
+        fake_ids = mode.from_tensor(ids)
+        tracker = PhaseMemTracker()
+        tracker.track_external(model)
+        marks = _LayerMarks(tracker, len(layers), lambda: transient(categories_of(tracker.get_tracker_snapshot())))
+        handles = [marks.hook(index, layer) for index, layer in enumerate(layers)]
+        try:
+            with tracker:
+                loss = model(input_ids=fake_ids, labels=fake_ids).loss
+                forward_end = marks.now()
+                loss.backward()
+                del loss
+                moments = [transient(moment) for moment in tracker.moments()]
+        finally:
+            for handle in handles:
+                for one in handle:
+                    one.remove()
+    return Trace(
+        tokens=tokens,
+        forward_end=forward_end,
+        layers=tuple(
+            LayerTrace(kind, marks.saved[index], marks.backward_peak(index, moments))
+            for index, kind in enumerate(layer_types)
+        ),
+    )
+
+
+class _LayerMarks:
+    """Forward and backward hooks on decoder layers that note the tracker's non-state bytes and moments."""
+
+    def __init__(self, tracker: Any, count: int, now: Any) -> None:
+        self.tracker, self.now = tracker, now
+        self.saved = [0] * count
+        self._before = [0] * count
+        self._backward: list[list[int]] = [[0, 0, 0] for _ in range(count)]
+        """Per layer: non-state bytes when its backward starts, first and last moment of its backward."""
+
+    def hook(self, index: int, layer: Any) -> tuple[Any, Any]:
+        def before(_: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            self._before[index] = self.now()
+            hidden = args[0] if args else kwargs["hidden_states"]
+            hidden.register_hook(lambda grad: self._backward_ends(index))
+
+        def after(_: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            self.saved[index] = self.now() - self._before[index]
+            hidden = output[0] if isinstance(output, tuple) else output
+            hidden.register_hook(lambda grad: self._backward_starts(index))
+
+        return (
+            layer.register_forward_pre_hook(before, with_kwargs=True),
+            layer.register_forward_hook(after, with_kwargs=True),
+        )
+
+    def _backward_starts(self, index: int) -> None:
+        self._backward[index][:2] = [self.now(), self.tracker.moment_count()]
+
+    def _backward_ends(self, index: int) -> None:
+        self._backward[index][2] = self.tracker.moment_count()
+
+    def backward_peak(self, index: int, moments: list[int]) -> int:
+        start, first, last = self._backward[index]
+        return max([start, *moments[first:last]]) - start
+
+
+def solve(points: Sequence[tuple[int, int]], window: int | None = None) -> ActivationTerm:
+    """The exact ``a·T + b·T·min(T, window) + c`` through the three smallest token counts, checked on the rest.
+
+        With a window, the quadratic form is tried first without it: the window is recorded only where the traces
+        above it need it (a kernel that materializes the whole ``T×T`` scores is not bounded by the mask's window).
+        Where neither form holds over all counts, both are tried over the counts from the second, third... up, as
+    long as one is left to check (a term that changes form at some count: SDPA's sliding-window mask appears
+    only past the window, a chunked linear attention's first chunk differs); the first that holds is kept with
+    ``valid_from``. Failing all, the term is stored with ``exact`` false and its measured points.
+    """
+    points = sorted(points)
+    forms = (None, window) if window else (None,)
+    terms = [_exact_term(points, form, start) for start in range(len(points) - 3) for form in forms]
+    return next((term for term in terms if term is not None and term.exact), _exact_term(points, None) or _lone(points))
+
+
+def _lone(points: list[tuple[int, int]]) -> ActivationTerm:
+    """Measured points that no form fits (too few, or collinear rows): nothing solved."""
+    return ActivationTerm(per_token=0, per_token_squared=0, constant=0, measured=tuple(points), exact=False)
+
+
+def _exact_term(points: list[tuple[int, int]], window: int | None, start: int = 0) -> ActivationTerm | None:
+    def row(tokens: int) -> list[Fraction]:
+        return [Fraction(tokens), Fraction(tokens * min(tokens, window or tokens)), Fraction(1)]
+
+    fit, rest = points[start : start + 3], points[start + 3 :]
+    solved = _solve3([row(t) for t, _ in fit], [Fraction(v) for _, v in fit])
+    if solved is None:  # the window makes the quadratic column a multiple of the linear one
+        return None
+    a, b, c = solved
+    exact = all(a * r[0] + b * r[1] + c == value for t, value in rest for r in [row(t)])
+    return ActivationTerm(
+        per_token=float(a),
+        per_token_squared=float(b),
+        constant=float(c),
+        window=window,
+        valid_from=fit[0][0] if start else 0,
+        measured=tuple(points),
+        exact=exact and len(rest) > 0,
+    )
+
+
+def _solve3(rows: list[list[Fraction]], values: list[Fraction]) -> Coefficients | None:
+    """Gauss-Jordan elimination over fractions (three equations, three unknowns); None if singular."""
+    m = [[*row, value] for row, value in zip(rows, values, strict=True)]
+    for col in range(3):
+        pivot = next((r for r in range(col, 3) if m[r][col] != 0), None)
+        if pivot is None:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        m[col] = [x / m[col][col] for x in m[col]]
+        for r in range(3):
+            if r != col:
+                m[r] = [x - m[r][col] * y for x, y in zip(m[r], m[col], strict=True)]
+    return m[0][3], m[1][3], m[2][3]
+
+
+def token_counts(window: int | None) -> tuple[int, ...]:
+    """:data:`DEFAULT_TOKENS`, plus for a sliding window three counts up to it and four above it."""
+    extra = {window // 4, window // 2, window, 2 * window, 3 * window, 4 * window, 6 * window} if window else set()
+    return tuple(sorted(set(DEFAULT_TOKENS) | extra))
+
+
+def activation_profile(config: dict[str, Any], tokens: Sequence[int] | None = None) -> ActivationProfile:
+    """Trace one layer of each type at each token count and solve every term exactly."""
+    text = text_config(config)
+    kinds = distinct_layer_types(text)
+    window = getattr(text, "sliding_window", None) if any("sliding" in kind for kind in kinds) else None
+    attention = attention_kernel(text)
+    traces = [trace(text, kinds, count, attention) for count in (tokens or token_counts(window))]
+    layers = []
+    for index, kind in enumerate(kinds):
+        windowed = window if "sliding" in kind else None
+        saved = solve([(t.tokens, t.layers[index].saved) for t in traces], windowed)
+        peak = solve([(t.tokens, t.layers[index].backward_peak) for t in traces], windowed)
+        layers.append(LayerActivations(layer_type=kind, attention=attention, saved=saved, backward_peak=peak))
+    return ActivationProfile(
+        dtype=DTYPE,
+        micro_batch=1,
+        attention=attention,
+        outside_layers=solve([(t.tokens, t.outside_layers) for t in traces]),
+        layers=tuple(layers),
+    )
