@@ -377,8 +377,20 @@ class FineTuneJobSpec(ApiModel):
                 f"training.globalBatchSize ({batch}) is not divisible by strategy.microBatchSize "
                 f"({strategy.micro_batch_size})"
             )
-        self.model.architecture.shape().resolve_lora_targets(tuple(self.lora.target_modules))
+        self._adapters_peft_can_build()
         return self
+
+    def _adapters_peft_can_build(self) -> None:
+        """The LoRA targets exist, and carry no dropout where peft cannot apply it: it adapts a model's fused
+        experts and router in place (``ParamWrapper``), which refuses ``lora_dropout`` != 0."""
+        targeted = self.model.architecture.shape().lora_targeted(tuple(self.lora.target_modules))
+        in_place = sorted({name for m in targeted if not m.is_linear for name in m.target_names})
+        if in_place and self.lora.dropout > 0 and self.method is not Method.FULL:
+            raise ValueError(
+                f"lora.dropout {self.lora.dropout} cannot apply to the adapters on {', '.join(in_place)} (fused "
+                "experts and router, which peft adapts in place without dropout): set lora.dropout: 0, or target "
+                "other modules"
+            )
 
     def knobs(self) -> Knobs:
         """What the spec decides: the strategy section's pins, the method, precision and optimizer (auto decides
