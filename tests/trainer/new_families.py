@@ -81,12 +81,15 @@ def write_model_directory(model_type: str, directory: Path, seed: int = 0) -> Pa
     return directory
 
 
-def from_directory(config: TrainerConfig, directory: Path, attention: Attention = Attention.SDPA) -> TrainerConfig:
+def from_directory(
+    config: TrainerConfig, directory: Path, attention: Attention = Attention.SDPA, packing: bool = True
+) -> TrainerConfig:
     """``config`` (of tests.trainer.runs.make_config) training the model in ``directory``: its own tokenizer,
-    no typed architecture, the attention kernel ``attention``."""
+    no typed architecture, the attention kernel ``attention``, documents packed or one per row."""
     return config.model_copy(
         update={
             "model": ModelConfig(name_or_path=str(directory)),
+            "data": config.data.model_copy(update={"packing": packing}),
             "training": config.training.model_copy(update={"attention": attention}),
         }
     )

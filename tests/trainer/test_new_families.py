@@ -10,7 +10,7 @@ qwen3          full        deepspeed ZeRO-3            loading partitioned (zero
 qwen3_moe      LoRA        fsdp2                       fused 3-D experts under ``all-linear`` adapters
 gemma3_text    full        deepspeed ZeRO-2            sliding/full layers, chunked loss with soft-capping
 gpt_oss        QLoRA       deepspeed ZeRO-2            eager attention (no SDPA), 16-bit fused experts
-qwen3_5_text   full        fsdp2                       Gated DeltaNet layers, checkpointing + offloading
+qwen3_5_text   full        fsdp2                       Gated DeltaNet layers (unpacked), activation offload
 =============  ==========  ==========================  =================================================
 
 Without a distributed run: the chunked loss equals the model's own (soft-capped) loss, and an attention
@@ -45,6 +45,8 @@ RUNS: dict[str, dict[str, Any]] = {
 }
 ATTENTION = {"gpt_oss": Attention.EAGER}
 """gpt-oss has no SDPA attention in transformers; the others train with SDPA."""
+UNPACKED = {"qwen3_5_text"}
+"""Without flash-linear-attention, Gated DeltaNet layers cannot keep packed documents apart."""
 
 
 @pytest.mark.distributed
@@ -56,6 +58,7 @@ def test_new_family_trains_from_its_model_directory(tmp_path: Path, model_type: 
         make_config(tmp_path, max_steps=STEPS, checkpoint_every=STEPS, name=model_type, **options),
         directory,
         ATTENTION.get(model_type, Attention.SDPA),
+        packing=model_type not in UNPACKED,
     )
     result = run_trainer(write_config(config, tmp_path / "config.json"))
     assert result.returncode == 0, result.stderr[-6000:]
@@ -103,6 +106,16 @@ def test_preflight_refuses_an_attention_kernel_the_model_does_not_implement(tmp_
     assert "\n" not in message
     assert "GptOssForCausalLM" in message and "sdpa" in message and "eager" in message, message
     check(from_directory(config, directory, Attention.EAGER), {"WORLD_SIZE": "2"})
+
+
+def test_preflight_refuses_packing_that_linear_attention_layers_would_leak_across(tmp_path: Path) -> None:
+    """Qwen3.5's Gated DeltaNet layers carry their state along the row: packed documents would see one
+    another (transformers keeps them apart only with flash-linear-attention)."""
+    directory = write_model_directory("qwen3_5_text", tmp_path / "model")
+    config = from_directory(make_config(tmp_path, max_steps=STEPS), directory)
+    with pytest.raises(ConfigError, match=r"^data.packing: .*Qwen3_5ForCausalLM.*set data.packing false$"):
+        check(config, {"WORLD_SIZE": "2"})
+    check(from_directory(config, directory, packing=False), {"WORLD_SIZE": "2"})
 
 
 @pytest.mark.slow

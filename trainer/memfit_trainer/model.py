@@ -10,6 +10,7 @@ honoured by ``huggingface_hub``.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 from dataclasses import dataclass
@@ -139,10 +140,39 @@ def pretrained_config(model_config: ModelConfig) -> Any:
     )
 
 
+LINEAR_ATTENTION = "linear_attention"
+"""The ``layer_types`` entry of a linear-attention layer (Qwen3.5's and Qwen3-Next's Gated DeltaNet)."""
+
+
+def packing_problem(config: TrainerConfig, hf_config: Any) -> str | None:
+    """One line when packed documents would leak into one another: a linear-attention layer carries its
+    state (and its short convolution) along the whole row unless given the documents' boundaries, which
+    ``transformers`` hands only to flash-linear-attention's kernels (the trainer passes them with flash
+    attention); its pure-PyTorch fallback cannot keep them apart. None otherwise."""
+    if not config.data.packing or LINEAR_ATTENTION not in (getattr(hf_config, "layer_types", None) or ()):
+        return None
+    if config.training.attention == Attention.FLASH and importlib.util.find_spec("fla") is not None:
+        return None
+    return (
+        f"data.packing: the linear-attention layers of {model_class(hf_config).__name__} would carry their state "
+        "from one packed document into the next (only flash-linear-attention keeps them apart, with "
+        "training.attention flash): set data.packing false"
+    )
+
+
+def model_class_problem(config: TrainerConfig, hf_config: Any) -> str | None:
+    """What the model class of ``hf_config`` cannot do that the config asks for (the attention kernel,
+    packing), in one line; None when nothing."""
+    problems = [
+        p for p in (attention_problem(hf_config, config.training.attention), packing_problem(config, hf_config)) if p
+    ]
+    return "; ".join(problems) or None
+
+
 def check_model_class(config: TrainerConfig, hf_config: Any) -> None:
-    """ConfigError (exit 2) when ``transformers`` has no causal LM for the model, or that class does not
-    implement the attention kernel the config asks for."""
-    problem = attention_problem(hf_config, config.training.attention)
+    """ConfigError (exit 2) when ``transformers`` has no causal LM for the model, or that class cannot do what
+    the config asks for (:func:`model_class_problem`)."""
+    problem = model_class_problem(config, hf_config)
     if problem is not None:
         raise ConfigError(problem)
 

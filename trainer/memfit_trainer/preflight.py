@@ -130,13 +130,13 @@ def _model_problem(config: TrainerConfig) -> str | None:
 
 
 def _model_class_problem(config: TrainerConfig) -> str | None:
-    """A model directory's model class (from its config.json, as ``transformers`` resolves it) that does not
-    implement the attention kernel asked for, or that ``transformers`` does not have (a Hub model's and a
-    randomInit model's are checked at load: memfit_trainer.model.check_model_class)."""
-    from memfit_trainer.model import attention_problem, pretrained_config
+    """A model directory's model class (from its config.json, as ``transformers`` resolves it) that cannot do
+    what the config asks for (the attention kernel, packing), or that ``transformers`` does not have (a Hub
+    model's and a randomInit model's are checked at load: memfit_trainer.model.check_model_class)."""
+    from memfit_trainer.model import model_class_problem, pretrained_config
 
     try:
-        return attention_problem(pretrained_config(config.model), config.training.attention)
+        return model_class_problem(config, pretrained_config(config.model))
     except ConfigError as error:
         return str(error)
     except (OSError, ValueError) as error:  # transformers' own: an unknown model_type, a broken config
