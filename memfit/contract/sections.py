@@ -76,7 +76,9 @@ class ModelConfig(ApiModel):
     random_init: Annotated[bool, Strict()] = False
     """Build the architecture with random weights instead of loading (smoke tests, examples)."""
     architecture: ModelShape | None = None
-    """The model's shape (memfit.model_shape.ModelShape); required with randomInit."""
+    """The model's shape (memfit.model_shape.ModelShape) the plan was made for; required with randomInit.
+    Optional for a model directory or Hub id (families without a typed shape): without it the loaded model
+    is compared with no planned shape (memfit.contract.model_match), and its own config builds it."""
     revision: Name | None = None
     tokenizer: Annotated[str, Strict(), Field(min_length=1, max_length=MAX_PATH_LENGTH)] | None = None
     """Hub id or local directory of the tokenizer when it is not the model's own (``name_or_path``); a

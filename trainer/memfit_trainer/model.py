@@ -10,6 +10,7 @@ honoured by ``huggingface_hub``.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 from dataclasses import dataclass
@@ -37,6 +38,12 @@ ATTENTION: dict[Attention, str] = {
     Attention.FLASH: "flash_attention_2",
 }
 """``transformers``' ``attn_implementation`` for each attention kernel."""
+ATTENTION_SUPPORT: dict[Attention, tuple[str, ...]] = {
+    Attention.SDPA: ("_supports_sdpa",),
+    Attention.FLASH: ("_supports_flash_attn", "_supports_flash_attn_2"),
+}
+"""The ``PreTrainedModel`` class attributes saying that a model class implements each kernel (eager: all do).
+gpt-oss, for one, implements no SDPA attention: ``from_pretrained`` would raise deep inside loading."""
 
 
 @dataclass
@@ -81,6 +88,95 @@ def _device_map(config: TrainerConfig, local_rank: int) -> dict[str, Any]:
     return {"": local_rank if on_gpu else "cpu"}
 
 
+def model_class(hf_config: Any) -> Any:
+    """The ``transformers`` causal-LM class ``AutoModelForCausalLM`` builds for ``hf_config`` (a
+    ``PretrainedConfig``); ConfigError when its model type has none."""
+    from transformers import AutoModelForCausalLM
+
+    mapping: Any = AutoModelForCausalLM._model_mapping
+    try:
+        found = mapping[type(hf_config)]
+    except KeyError:
+        raise ConfigError(
+            f"model_type {hf_config.model_type!r} has no causal language model in the installed transformers"
+        ) from None
+    if not isinstance(found, (list, tuple)):
+        return found
+    by_name = {cls.__name__: cls for cls in found}
+    return next((by_name[a] for a in getattr(hf_config, "architectures", None) or () if a in by_name), found[0])
+
+
+def implements_attention(cls: Any, attention: Attention) -> bool:
+    """Whether the model class ``cls`` implements the attention kernel (:data:`ATTENTION_SUPPORT`)."""
+    flags = ATTENTION_SUPPORT.get(attention)
+    return flags is None or any(getattr(cls, flag, False) for flag in flags)
+
+
+def attention_problem(hf_config: Any, attention: Attention) -> str | None:
+    """One line when the model class of ``hf_config`` does not implement the ``attention`` kernel, naming
+    the ones it does; None when it does."""
+    cls = model_class(hf_config)
+    if implements_attention(cls, attention):
+        return None
+    supported = ", ".join(kernel.value for kernel in Attention if implements_attention(cls, kernel))
+    return (
+        f"training.attention {attention.value}: transformers implements no {ATTENTION[attention]} attention for "
+        f"{cls.__name__} (model_type {hf_config.model_type}); set it to one it implements: {supported}"
+    )
+
+
+def pretrained_config(model_config: ModelConfig) -> Any:
+    """The model's ``PretrainedConfig``: built from the architecture for randomInit, else read (from the
+    directory, or fetched from the Hub) as ``transformers`` resolves it, class defaults filled in."""
+    if model_config.random_init:
+        assert model_config.architecture is not None  # guaranteed by ModelConfig's validator
+        return transformers_config(model_config.architecture)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(
+        model_config.name_or_path,
+        revision=model_config.revision,
+        token=os.environ.get(model_config.token_env) or None,
+    )
+
+
+LINEAR_ATTENTION = "linear_attention"
+"""The ``layer_types`` entry of a linear-attention layer (Qwen3.5's and Qwen3-Next's Gated DeltaNet)."""
+
+
+def packing_problem(config: TrainerConfig, hf_config: Any) -> str | None:
+    """One line when packed documents would leak into one another: a linear-attention layer carries its
+    state (and its short convolution) along the whole row unless given the documents' boundaries, which
+    ``transformers`` hands only to flash-linear-attention's kernels (the trainer passes them with flash
+    attention); its pure-PyTorch fallback cannot keep them apart. None otherwise."""
+    if not config.data.packing or LINEAR_ATTENTION not in (getattr(hf_config, "layer_types", None) or ()):
+        return None
+    if config.training.attention == Attention.FLASH and importlib.util.find_spec("fla") is not None:
+        return None
+    return (
+        f"data.packing: the linear-attention layers of {model_class(hf_config).__name__} would carry their state "
+        "from one packed document into the next (only flash-linear-attention keeps them apart, with "
+        "training.attention flash): set data.packing false"
+    )
+
+
+def model_class_problem(config: TrainerConfig, hf_config: Any) -> str | None:
+    """What the model class of ``hf_config`` cannot do that the config asks for (the attention kernel,
+    packing), in one line; None when nothing."""
+    problems = [
+        p for p in (attention_problem(hf_config, config.training.attention), packing_problem(config, hf_config)) if p
+    ]
+    return "; ".join(problems) or None
+
+
+def check_model_class(config: TrainerConfig, hf_config: Any) -> None:
+    """ConfigError (exit 2) when ``transformers`` has no causal LM for the model, or that class cannot do what
+    the config asks for (:func:`model_class_problem`)."""
+    problem = model_class_problem(config, hf_config)
+    if problem is not None:
+        raise ConfigError(problem)
+
+
 def _load_base(config: TrainerConfig, local_rank: int) -> Any:
     """The base model, randomly initialised (seeded: identical on every rank and every restart) or loaded."""
     from safetensors.torch import save_model
@@ -91,10 +187,11 @@ def _load_base(config: TrainerConfig, local_rank: int) -> Any:
         "dtype": torch.bfloat16 if training.method == Method.QLORA else DTYPES[training.precision],
         "attn_implementation": ATTENTION[training.attention],  # flash-attn presence: see preflight
     }
+    hf_config = pretrained_config(model_config)
+    check_planned_shape(model_config, hf_config)
+    check_model_class(config, hf_config)
     if model_config.random_init:
-        assert model_config.architecture is not None  # guaranteed by ModelConfig's validator
         torch.manual_seed(training.seed)
-        hf_config = transformers_config(model_config.architecture)
         # transformers' from_config is unannotated (the type: ignores on it below).
         if training.method != Method.QLORA:
             return AutoModelForCausalLM.from_config(hf_config, **kwargs)  # type: ignore[no-untyped-call]
@@ -112,7 +209,6 @@ def _load_base(config: TrainerConfig, local_rank: int) -> Any:
                 device_map=_device_map(config, local_rank),
                 **kwargs,
             )
-    check_planned_shape(model_config)
     if training.method == Method.QLORA:
         kwargs.update(
             quantization_config=quantization_config(config.engine.kind), device_map=_device_map(config, local_rank)
@@ -125,18 +221,14 @@ def _load_base(config: TrainerConfig, local_rank: int) -> Any:
     )
 
 
-def check_planned_shape(model_config: ModelConfig) -> None:
+def check_planned_shape(model_config: ModelConfig, loaded: Any = None) -> None:
     """ConfigError (exit 2) when the model to load is not the shape the plan was made for: its config, as
-    ``transformers`` resolves it (class defaults filled in), is read and compared before any weights load."""
+    ``transformers`` resolves it (class defaults filled in; ``loaded`` where already read), is compared
+    before any weights load. A config without a typed architecture plans no shape: nothing to compare."""
     if model_config.random_init or model_config.architecture is None:
         return
-    from transformers import AutoConfig
-
-    loaded = AutoConfig.from_pretrained(
-        model_config.name_or_path,
-        revision=model_config.revision,
-        token=os.environ.get(model_config.token_env) or None,
-    )
+    if loaded is None:
+        loaded = pretrained_config(model_config)
     problem = shape_mismatch(model_config.architecture, loaded.to_dict(), model_config.name_or_path)
     if problem is not None:
         raise ConfigError(problem)

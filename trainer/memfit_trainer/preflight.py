@@ -126,7 +126,22 @@ def _model_problem(config: TrainerConfig) -> str | None:
         return None
     if volumes is not None and volumes.model is not None and _escape(name, volumes.model) is not None:
         return None  # reported as leading outside its volume; nothing is read there
-    return model_directory_problem(name, model.architecture)
+    return model_directory_problem(name, model.architecture) or _model_class_problem(config)
+
+
+def _model_class_problem(config: TrainerConfig) -> str | None:
+    """A model directory's model class (from its config.json, as ``transformers`` resolves it) that cannot do
+    what the config asks for (the attention kernel, packing), or that ``transformers`` does not have (a Hub
+    model's and a randomInit model's are checked at load: memfit_trainer.model.check_model_class)."""
+    from memfit_trainer.model import model_class_problem, pretrained_config
+
+    try:
+        return model_class_problem(config, pretrained_config(config.model))
+    except ConfigError as error:
+        return str(error)
+    except (OSError, ValueError) as error:  # transformers' own: an unknown model_type, a broken config
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return f"model directory {config.model.name_or_path}: transformers cannot read its config ({reason})"
 
 
 def check(config: TrainerConfig, environ: Mapping[str, str]) -> None:
