@@ -200,6 +200,13 @@ def _case(model: str, method: Method, mb: int, seq: int, **knobs: Any) -> Case:
 
 
 _FULL, _LORA, _QLORA, _CPU = Method.FULL, Method.LORA, Method.QLORA, Offload.CPU
+_TORCHTUNE_3B: dict[str, Any] = {
+    "gradient_checkpointing": True,
+    "chunked_loss": True,
+    "master_weights": MasterWeights.BF16,
+}
+"""torchtune's Llama-3.2-3B full fine-tune, as issue 11 compared it (pure bf16, chunked loss, checkpointing)."""
+
 MATRIX: tuple[Case, ...] = (
     _case(TOY, _FULL, 4, 128),
     # Qwen2.5 0.5B: a small model with a large (152k, tied) vocabulary: the loss buffers weigh.
@@ -243,25 +250,8 @@ MATRIX: tuple[Case, ...] = (
     _case("qwen2.5-0.5b", _FULL, 8, 2048, gradient_checkpointing=True, chunked_loss=True),
     _case("qwen2.5-0.5b", _FULL, 8, 2048, gradient_checkpointing=True, activation_offloading=True),
     _case("qwen2.5-1.5b", _FULL, 4, 1024, zero_stage=2, master_weights=MasterWeights.BF16),
-    _case(
-        "llama-3.2-3b",
-        _FULL,
-        2,
-        4096,
-        gradient_checkpointing=True,
-        chunked_loss=True,
-        master_weights=MasterWeights.BF16,
-    ),  # fmt: skip
-    _case(
-        "llama-3.2-3b",
-        _FULL,
-        2,
-        4096,
-        gradient_checkpointing=True,
-        chunked_loss=True,
-        activation_offloading=True,
-        master_weights=MasterWeights.BF16,
-    ),  # fmt: skip
+    _case("llama-3.2-3b", _FULL, 2, 4096, **_TORCHTUNE_3B),
+    _case("llama-3.2-3b", _FULL, 2, 4096, **_TORCHTUNE_3B, activation_offloading=True),
     _case("llama-3.1-8b", _QLORA, 2, 2048, gradient_checkpointing=True, chunked_loss=True),
     _case(
         "llama-3.1-8b", _QLORA, 2, 2048, gradient_checkpointing=True, chunked_loss=True, activation_offloading=True
