@@ -28,6 +28,8 @@ INVENTORY: list[GPUPool] = [
 
 PRESETS = ("llama-3.2-3b", "llama-3.1-8b", "qwen2.5-7b", "gemma-2-9b", "mixtral-8x7b", "llama-2-70b")
 METHODS = ("auto", "full", "lora", "qlora")
+NO_DROPOUT = ("mixtral-8x7b",)
+"""Models whose all-linear adapters include fused experts, which peft adapts without dropout."""
 PINS: dict[str, dict[str, Any]] = {
     "free": {},
     "fsdp2": {"strategy": {"engine": "fsdp2"}},
@@ -43,6 +45,8 @@ def grid_jobs() -> Iterator[tuple[str, FineTuneJobSpec]]:
     for preset, method, (pin_name, pins) in itertools.product(PRESETS, METHODS, PINS.items()):
         training = {"globalBatchSize": 16, "sequenceLength": 4096, **pins.get("training", {})}
         extra = {key: value for key, value in pins.items() if key != "training"}
+        if preset in NO_DROPOUT:
+            extra["lora"] = {"dropout": 0.0}
         try:
             yield f"{preset} {method} {pin_name}", job(preset, method, training=training, **extra)
         except ValidationError:

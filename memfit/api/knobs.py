@@ -10,7 +10,7 @@ planner generates.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from memfit.api.vocabulary import (
@@ -89,7 +89,18 @@ class Rule:
     """Formatted with the knobs' fields (e.g. ``{precision}``)."""
 
     def check(self, knobs: Knobs) -> str | None:
-        return self.message.format(**asdict(knobs)) if self.applies(knobs) else None
+        return self.message.format_map(_Fields(knobs)) if self.applies(knobs) else None
+
+
+class _Fields(dict[str, object]):
+    """The knobs' fields by name, read only when a message names them (``asdict`` would copy every one)."""
+
+    def __init__(self, knobs: Knobs) -> None:
+        super().__init__()
+        self.knobs = knobs
+
+    def __missing__(self, name: str) -> object:
+        return getattr(self.knobs, name)
 
 
 def _fsdp2(knobs: Knobs) -> bool:

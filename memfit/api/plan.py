@@ -7,6 +7,8 @@ FineTuneJob, so scripts and the cluster see exactly the same fields.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from operator import attrgetter
+from typing import Any
 
 from pydantic import ConfigDict, Field, PositiveInt
 
@@ -87,6 +89,14 @@ class Strategy:
         """Its choices (every one decided), for the rule table."""
         return knobs_of(self)
 
+    def replaced(self, **changes: Any) -> Strategy:
+        """``dataclasses.replace(self, **changes)``, built positionally: the planner copies strategies by the
+        ten thousand, and ``replace`` costs it a fifth of its time."""
+        values = list(_STRATEGY_VALUES(self))
+        for name, value in changes.items():
+            values[_STRATEGY_INDEX[name]] = value
+        return Strategy(*values)
+
     def identity(self) -> str:
         """Every knob and the placement, `name=value` joined by commas: two strategies are the same exactly
         when their identities are (`status.excludedStrategies` records them; the summary leaves some out)."""
@@ -107,6 +117,10 @@ class Strategy:
             parts.append("bf16-masters")
         parts += [f"mb{self.micro_batch_size}x{self.gradient_accumulation_steps}", self.precision, self.optimizer]
         return " ".join(parts) + f" on {self.nodes}x{self.gpus_per_node} {self.pool}"
+
+
+_STRATEGY_VALUES = attrgetter(*(field.name for field in fields(Strategy)))
+_STRATEGY_INDEX = {field.name: index for index, field in enumerate(fields(Strategy))}
 
 
 @dataclass(frozen=True, slots=True)

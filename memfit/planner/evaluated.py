@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import StrEnum
 
 from memfit.api.gpupool import PoolCapacity
@@ -102,10 +102,8 @@ class Evaluated:
 
     @property
     def strategy(self) -> Strategy:
-        return replace(
-            self.template,
-            micro_batch_size=self.micro_batch_size,
-            gradient_accumulation_steps=self.gradient_accumulation_steps,
+        return self.template.replaced(
+            micro_batch_size=self.micro_batch_size, gradient_accumulation_steps=self.gradient_accumulation_steps
         )
 
 

@@ -79,8 +79,7 @@ Variant = tuple[bool, ...]
 
 
 def _with_techniques(template: Strategy, variant: Variant) -> Strategy:
-    switches: dict[str, Any] = {technique.knob: on for technique, on in zip(TECHNIQUES, variant, strict=True)}
-    return replace(template, **switches)
+    return template.replaced(**{technique.knob: on for technique, on in zip(TECHNIQUES, variant, strict=True)})
 
 
 @dataclass
@@ -101,7 +100,7 @@ class _Search:
     options: dict[
         tuple[PlannedMethod, PlannedPrecision, bool, bool, Engine], tuple[tuple[int, Offload, Offload], ...]
     ] = field(default_factory=dict)
-    variants: dict[Knobs, list[Variant]] = field(default_factory=dict)
+    variants: dict[tuple[int, bool, Engine], list[Variant]] = field(default_factory=dict)
     fastest: dict[str, list[float]] = field(default_factory=dict)
     """Per method, a min-heap of the MAX_CANDIDATES best speeds of plans without techniques found so far:
     knobs whose best case is slower than all of them cannot be reported, and are not evaluated."""
@@ -128,15 +127,17 @@ class _Search:
         return options
 
     def technique_variants(self, zero_stage: int, checkpointing: bool, engine: Engine) -> list[Variant]:
-        knobs = Knobs(
-            zero_stage=zero_stage,
-            gradient_checkpointing=checkpointing,
-            engine=engine,
-            clips_gradients=self.spec.training.max_grad_norm > 0,
-        )
-        variants = self.variants.get(knobs)
+        """_technique_variants of these knobs, once per distinct input (its arguments are the key)."""
+        inputs = (zero_stage, checkpointing, engine)
+        variants = self.variants.get(inputs)
         if variants is None:
-            variants = self.variants[knobs] = _technique_variants(self.spec, knobs)
+            knobs = Knobs(
+                zero_stage=zero_stage,
+                gradient_checkpointing=checkpointing,
+                engine=engine,
+                clips_gradients=self.spec.training.max_grad_norm > 0,
+            )
+            variants = self.variants[inputs] = _technique_variants(self.spec, knobs)
         return variants
 
     def outpaced(self, plain: Strategy, largest_micro: int, capacity: PoolCapacity) -> bool:
@@ -145,7 +146,7 @@ class _Search:
         heap = self.fastest.get(plain.method)
         if heap is None or len(heap) < MAX_CANDIDATES:
             return False
-        best_case = replace(plain, micro_batch_size=largest_micro, gradient_accumulation_steps=1)
+        best_case = plain.replaced(micro_batch_size=largest_micro, gradient_accumulation_steps=1)
         trainable = self.static_memory(plain).trainable
         step = step_seconds(self.shape, best_case, capacity, self.sequence_length, trainable)
         return best_case.gpus * largest_micro * self.sequence_length / step < heap[0]
