@@ -8,6 +8,7 @@ from typing import Any
 from memfit.api.finetunejob import FineTuneJobSpec
 from memfit.api.gpupool import GPUPool
 from memfit.api.vocabulary import Method
+from memfit.model_shape import ModelFamily, ModelShape
 
 
 def pool(name: str, product: str, gpus_per_node: int, nodes: int, cpu_gib: float, nvme_gib: float = 0) -> GPUPool:
@@ -47,3 +48,15 @@ ONE_A100 = pool("a100", "NVIDIA-A100-SXM4-80GB", 1, 1, 128)
 RTX_4090 = pool("rtx", "NVIDIA-GeForce-RTX-4090", 1, 1, 64)
 RTX_4090_BIG_HOST = pool("rtx", "NVIDIA-GeForce-RTX-4090", 1, 1, 256)
 V100_NODE = pool("v100", "Tesla-V100-SXM2-32GB", 8, 1, 700)
+
+
+DECLARED_LLAMA = ModelShape(
+    ModelFamily.LLAMA,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_layers=24,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=258,
+)
+"""A llama a job declares (hidden 512, 24 layers), for the checks that the loaded model is the planned one."""

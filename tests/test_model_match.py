@@ -4,6 +4,7 @@ comparison, used by `memfit run --local` before torchrun and by the trainer befo
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,25 +18,10 @@ from memfit.contract.model_match import (
     shape_mismatch,
 )
 from memfit.model_shape import ModelFamily, ModelShape
+from tests.planning_fixtures import DECLARED_LLAMA
 
-PLANNED = ModelShape(
-    ModelFamily.LLAMA,
-    hidden_size=512,
-    intermediate_size=1408,
-    num_layers=24,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    vocab_size=258,
-)
-TINY = ModelShape(
-    ModelFamily.LLAMA,
-    hidden_size=64,
-    intermediate_size=1408,
-    num_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    vocab_size=258,
-)
+PLANNED = DECLARED_LLAMA
+TINY = replace(PLANNED, hidden_size=64, num_layers=2)
 
 
 def config_json(directory: Path, shape: ModelShape, **extra: object) -> Path:

@@ -16,17 +16,10 @@ from memfit.model_shape import ModelShape
 from memfit_trainer.hf_config import transformers_config
 from memfit_trainer.model import check_planned_shape
 from memfit_trainer.preflight import check
+from tests.planning_fixtures import DECLARED_LLAMA
 from tests.trainer.runs import TINY_LLAMA, make_config, run_single_process, write_config
 
-PLANNED = ModelShape(
-    TINY_LLAMA.family,
-    hidden_size=512,
-    intermediate_size=1408,
-    num_layers=24,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    vocab_size=258,
-)
+PLANNED = DECLARED_LLAMA
 
 
 def saved_config(directory: Path, shape: ModelShape) -> Path:
