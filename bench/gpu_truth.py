@@ -168,24 +168,19 @@ class Case:
     @property
     def name(self) -> str:
         """e.g. ``llama-3.1-8b-full-z2-optcpu-ckpt-mb1x1-s2048``: unique in the matrix, what ``--cases`` matches."""
-        parts = [self.model, self.method.value, f"z{self.zero_stage}"]
-        if self.offload_optimizer != Offload.NONE:
-            parts.append(f"opt{self.offload_optimizer.value}")
-        if self.offload_parameters != Offload.NONE:
-            parts.append(f"param{self.offload_parameters.value}")
-        if self.gradient_checkpointing:
-            parts.append("ckpt")
-        parts += [f"mb{self.micro_batch_size}x{self.accumulation}", f"s{self.sequence_length}"]
-        if self.optimizer != Optimizer.ADAMW:
-            parts.append(self.optimizer.value)
-        if self.attention != Attention.SDPA:
-            parts.append(self.attention.value)
-        if self.chunked_loss:
-            parts.append("chunkedce")
-        if self.activation_offloading:
-            parts.append("actcpu")
-        if self.master_weights != MasterWeights.FP32:
-            parts.append(f"{self.master_weights.value}masters")
+        optional = (
+            (self.offload_optimizer != Offload.NONE, f"opt{self.offload_optimizer.value}"),
+            (self.offload_parameters != Offload.NONE, f"param{self.offload_parameters.value}"),
+            (self.gradient_checkpointing, "ckpt"),
+            (True, f"mb{self.micro_batch_size}x{self.accumulation}"),
+            (True, f"s{self.sequence_length}"),
+            (self.optimizer != Optimizer.ADAMW, self.optimizer.value),
+            (self.attention != Attention.SDPA, self.attention.value),
+            (self.chunked_loss, "chunkedce"),
+            (self.activation_offloading, "actcpu"),
+            (self.master_weights != MasterWeights.FP32, f"{self.master_weights.value}masters"),
+        )
+        parts = [self.model, self.method.value, f"z{self.zero_stage}"] + [token for on, token in optional if on]
         return "-".join(parts)
 
     def global_batch_size(self, ranks: int) -> int:

@@ -18,7 +18,7 @@ from memfit.api.vocabulary import TrainOn  # noqa: E402
 from memfit.model_shape import ModelFamily, ModelShape  # noqa: E402
 from memfit_trainer.blocks import DOCUMENT, IDS, IGNORE_INDEX, LABELS, PADDING_DOCUMENT  # noqa: E402
 from memfit_trainer.chat import ConversationTokenizer  # noqa: E402
-from memfit_trainer.data import DataError, DataSource, PackedBatches, build_batches, load_records  # noqa: E402
+from memfit_trainer.data import BatchShape, DataError, DataSource, PackedBatches, build_batches, load_records  # noqa: E402
 from memfit_trainer.hf_config import transformers_config  # noqa: E402
 from memfit_trainer.tokenizer import (  # noqa: E402
     TokenizerLoadError,
@@ -96,8 +96,7 @@ def batches_of(path: Path, tokenizer, tmp_path: Path, sequence_length: int, **fi
         load_records(source, str(tmp_path / "cache")),
         tokenizer,
         source,
-        sequence_length=sequence_length,
-        micro_batch_size=2,
+        BatchShape(sequence_length, 2),
         shuffle=False,
     )
 
@@ -225,5 +224,5 @@ def test_padding_is_never_attended(tmp_path: Path) -> None:
 def test_bad_chat_record_is_a_data_error(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "assistant", "content": "hi"}]}] * 2)
     with pytest.raises(DataError, match="record 0: the conversation opens with an assistant message"):
-        build_batches(DataSource(str(path), messages_field="messages"), byte_level_tokenizer(),
-                      sequence_length=8, micro_batch_size=1, cache_dir=str(tmp_path / "c"))  # fmt: skip
+        build_batches(DataSource(str(path), messages_field="messages"), byte_level_tokenizer(), BatchShape(8, 1),
+                      cache_dir=str(tmp_path / "c"))  # fmt: skip

@@ -18,6 +18,7 @@ from memfit.api.vocabulary import TrainOn  # noqa: E402
 from memfit_trainer.blocks import IDS, IGNORE_INDEX  # noqa: E402
 from memfit_trainer.chat import Tokens  # noqa: E402
 from memfit_trainer.data import (  # noqa: E402
+    BatchShape,
     DataError,
     DataPosition,
     DatasetTooSmallError,
@@ -67,11 +68,14 @@ def unique_file(tmp_path: Path) -> Path:
 
 
 def loader(source: DataSource, tokenizer, tmp_path: Path, **kwargs) -> PackedBatches:
-    options = {"sequence_length": SEQ, "micro_batch_size": 2, "seed": 7, "cache_dir": str(tmp_path / "cache")}
-    options.update(kwargs)
+    shape = {"sequence_length": SEQ, "micro_batch_size": 2, "seed": 7}
+    shape.update(
+        {k: kwargs.pop(k) for k in ("sequence_length", "micro_batch_size", "rank", "world_size", "seed") if k in kwargs}
+    )
+    options = {"cache_dir": str(tmp_path / "cache"), **kwargs}
     if source.streaming:
         options.setdefault("shuffle_buffer", 16)
-    return build_batches(source, tokenizer, **options)
+    return build_batches(source, tokenizer, BatchShape(**shape), **options)
 
 
 def take(
@@ -329,8 +333,7 @@ def test_chat_fallback_rendering(tmp_path: Path, tokenizer) -> None:
         load_records(DataSource(str(path), messages_field="messages"), str(tmp_path / "c")),
         tokenizer,
         DataSource(str(path), messages_field="messages"),
-        sequence_length=SEQ,
-        micro_batch_size=1,
+        BatchShape(SEQ, 1),
         shuffle=False,
     )
     text = decoded_stream(batches, tokenizer)
@@ -348,8 +351,7 @@ def test_chat_template_is_used_without_doubling_eos(tmp_path: Path) -> None:
         load_records(source, str(tmp_path / "c")),
         tokenizer,
         source,
-        sequence_length=SEQ,
-        micro_batch_size=1,
+        BatchShape(SEQ, 1),
         shuffle=False,
     )
     text = decoded_stream(batches, tokenizer)

@@ -18,12 +18,11 @@ from memfit.contract.sections import ValidationConfig, VolumesConfig
 from memfit.contract.trainer_config import TrainerConfig
 from memfit_trainer.blocks import IGNORE_INDEX
 from memfit_trainer.chunked_loss import shift_labels
-from memfit_trainer.data import DataError, DatasetTooSmallError, DataSource, load_records
+from memfit_trainer.data import BatchShape, DataError, DatasetTooSmallError, DataSource, load_records
 from memfit_trainer.model import build_model
 from memfit_trainer.preflight import check
 from memfit_trainer.tokenizer import byte_level_tokenizer
 from memfit_trainer.validation import (
-    BatchShape,
     HeldOut,
     Validation,
     one_pass,

@@ -34,7 +34,9 @@ class LayerTrace:
 
     layer_type: str
     saved: int
+    """Bytes its forward left alive for the backward (allocated between entering and leaving it)."""
     backward_peak: int
+    """Bytes its backward allocated at most beyond what was alive when that backward began."""
 
 
 @dataclass(frozen=True)

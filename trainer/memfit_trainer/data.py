@@ -353,6 +353,17 @@ def flash_varlen_kwargs(position: torch.Tensor) -> dict[str, Any]:
 # --- batches ---------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class BatchShape:
+    """How blocks are cut and shared out: the same for the training and the validation data."""
+
+    sequence_length: int
+    micro_batch_size: int
+    rank: int = 0
+    world_size: int = 1
+    seed: int = 0
+
+
 class PackedBatches:
     """Deterministic, rank-sharded, resumable micro-batches of packed blocks (see the module docstring)."""
 
@@ -361,42 +372,35 @@ class PackedBatches:
         records: Any,
         tokenizer: Any,
         source: DataSource,
+        shape: BatchShape,
         *,
-        sequence_length: int,
-        micro_batch_size: int,
-        rank: int = 0,
-        world_size: int = 1,
-        seed: int = 0,
         shuffle: bool = True,
         shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
     ) -> None:
-        if sequence_length < 1 or micro_batch_size < 1:
+        if shape.sequence_length < 1 or shape.micro_batch_size < 1:
             raise DataError("sequence_length and micro_batch_size must be positive")
-        if not 0 <= rank < world_size:
-            raise DataError(f"rank {rank} is outside world size {world_size}")
+        if not 0 <= shape.rank < shape.world_size:
+            raise DataError(f"rank {shape.rank} is outside world size {shape.world_size}")
         self.documents = DocumentTokenizer(tokenizer, source)
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else self.documents.eos
         self.statistics: TokenStatistics | None = None
         """Token counts of the epoch (map-style only: a stream is not read ahead)."""
         self.source = source
-        self.sequence_length = sequence_length
-        self.micro_batch_size = micro_batch_size
-        self.rank = rank
-        self.world_size = world_size
-        self.seed = seed
+        self.shape = shape
         self.shuffle = shuffle
-        self.blocks_per_step = world_size * micro_batch_size
+        self.blocks_per_step = shape.world_size * shape.micro_batch_size
         if source.streaming:
-            self._stream = records.shuffle(seed=seed, buffer_size=shuffle_buffer) if shuffle else records
+            self._stream = records.shuffle(seed=shape.seed, buffer_size=shuffle_buffer) if shuffle else records
             self._blocks: np.ndarray | None = None
         else:
             self._stream = None
             self._blocks = self._build_blocks(records)
 
     def _too_small(self, blocks: int | None, tokens: int | None) -> DatasetTooSmallError:
-        need = f"one micro-batch on each of {self.world_size} rank(s) needs {self.blocks_per_step} block(s) of "
-        need += f"{self.sequence_length} tokens ({self.world_size} rank(s) x micro batch {self.micro_batch_size})"
+        shape = self.shape
+        need = f"one micro-batch on each of {shape.world_size} rank(s) needs {self.blocks_per_step} block(s) of "
+        need += f"{shape.sequence_length} tokens ({shape.world_size} rank(s) x micro batch {shape.micro_batch_size})"
         if blocks is None:
             found = "an epoch yields fewer blocks than that"
         elif blocks == 0:
@@ -406,12 +410,12 @@ class PackedBatches:
         return DatasetTooSmallError(f"dataset {self.source.path!r} is too small: {need}, but {found}")
 
     def _blocks_of(self, records: Any) -> Iterator[np.ndarray]:
-        return blocks_of(self.documents.documents(records), self.source, self.sequence_length, self.pad_id)
+        return blocks_of(self.documents.documents(records), self.source, self.shape.sequence_length, self.pad_id)
 
     def _build_blocks(self, records: Any) -> np.ndarray:
-        counts = TokenStatistics(self.sequence_length)
+        counts = TokenStatistics(self.shape.sequence_length)
         documents = counts.documents(self.documents.documents(records))
-        blocks = list(counts.rows_of(blocks_of(documents, self.source, self.sequence_length, self.pad_id)))
+        blocks = list(counts.rows_of(blocks_of(documents, self.source, self.shape.sequence_length, self.pad_id)))
         self.statistics = counts
         if len(blocks) < self.blocks_per_step:
             raise self._too_small(len(blocks), counts.document_tokens)
@@ -427,7 +431,7 @@ class PackedBatches:
         blocks: Iterator[np.ndarray]
         if self._blocks is not None:
             n = len(self._blocks)
-            order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+            order = np.random.default_rng([self.shape.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
             blocks = (self._blocks[i] for i in order[start * self.blocks_per_step :])
             skip = 0
         else:
@@ -447,7 +451,7 @@ class PackedBatches:
             )
 
     def _batch(self, step: list[np.ndarray]) -> dict[str, torch.Tensor]:
-        mine = step[self.rank * self.micro_batch_size : (self.rank + 1) * self.micro_batch_size]
+        mine = step[self.shape.rank * self.shape.micro_batch_size : (self.shape.rank + 1) * self.shape.micro_batch_size]
         return model_inputs(np.stack(mine), self.source.packing)
 
     def blocks(self, epoch: int = 0) -> Iterator[np.ndarray]:
@@ -486,24 +490,11 @@ class PackedBatches:
 def build_batches(
     source: DataSource,
     tokenizer: Any,
+    shape: BatchShape,
     *,
-    sequence_length: int,
-    micro_batch_size: int,
-    rank: int = 0,
-    world_size: int = 1,
-    seed: int = 0,
     cache_dir: str | None = None,
     shuffle_buffer: int = DEFAULT_SHUFFLE_BUFFER,
 ) -> PackedBatches:
     """Load, check and wrap a data source: the one call the training loop makes."""
-    return PackedBatches(
-        load_records(source, cache_dir=cache_dir),
-        tokenizer,
-        source,
-        sequence_length=sequence_length,
-        micro_batch_size=micro_batch_size,
-        rank=rank,
-        world_size=world_size,
-        seed=seed,
-        shuffle_buffer=shuffle_buffer,
-    )
+    records = load_records(source, cache_dir=cache_dir)
+    return PackedBatches(records, tokenizer, source, shape, shuffle_buffer=shuffle_buffer)

@@ -31,7 +31,7 @@ from memfit.contract.trainer_config import TrainerConfig
 from memfit_trainer import activation_offload, chunked_loss
 from memfit_trainer.checkpoint import CheckpointManager
 from memfit_trainer.console import ConsoleProgress
-from memfit_trainer.data import DataPosition, DataSource, PackedBatches, flash_varlen_kwargs
+from memfit_trainer.data import BatchShape, DataPosition, DataSource, PackedBatches, flash_varlen_kwargs
 from memfit_trainer.engine import build_engine
 from memfit_trainer.export import save_final
 from memfit_trainer.metrics import TrainerMetrics
@@ -42,7 +42,7 @@ from memfit_trainer.resume import check_layout, find_start, resume, save_checkpo
 from memfit_trainer.run import Ranks, Run
 from memfit_trainer.technique import BatchLoss, Technique
 from memfit_trainer.training_engine import TrainingEngine
-from memfit_trainer.validation import BatchShape, HeldOut, Validation, report_validation, training_and_validation
+from memfit_trainer.validation import HeldOut, Validation, report_validation, training_and_validation
 
 TECHNIQUES: tuple[Technique, ...] = (chunked_loss.install, activation_offload.install)
 """Installed in this order (the order their lines appear in the log)."""

@@ -20,7 +20,7 @@ import numpy as np
 
 from memfit.contract.sections import DataConfig, ModelConfig
 from memfit_trainer.blocks import DOCUMENT, IDS, IGNORE_INDEX, LABELS, TokenStatistics
-from memfit_trainer.data import DataError, DataSource, PackedBatches, load_records
+from memfit_trainer.data import BatchShape, DataError, DataSource, PackedBatches, load_records
 from memfit_trainer.tokenizer import TokenizerLoadError, model_tokenizer
 
 EXIT_BAD_INPUT = 2
@@ -40,8 +40,7 @@ def preview(request: dict[str, Any]) -> dict[str, Any]:
     sequence_length, count = int(request["sequenceLength"]), int(request["count"])
     tokenizer = model_tokenizer(model)
     source = DataSource.from_config(data.model_copy(update={"streaming": False}))
-    batches = PackedBatches(load_records(source), tokenizer, source, sequence_length=sequence_length,
-                            micro_batch_size=1, shuffle=False)  # fmt: skip
+    batches = PackedBatches(load_records(source), tokenizer, source, BatchShape(sequence_length, 1), shuffle=False)
     statistics = batches.statistics
     assert isinstance(statistics, TokenStatistics)  # map-style batches count their epoch
     sequences = [sequence_tokens(block, tokenizer) for block in itertools.islice(batches.blocks(), count)]

@@ -13,6 +13,8 @@ from memfit_trainer.training_engine import TrainingEngine
 
 @dataclass(frozen=True)
 class Ranks:
+    """Where this process stands in the job (torchrun's ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE``)."""
+
     rank: int
     local_rank: int
     world_size: int

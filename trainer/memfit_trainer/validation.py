@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,7 @@ from memfit_trainer.blocks import IGNORE_INDEX
 from memfit_trainer.chunked_loss import shift_labels
 from memfit_trainer.console import ConsoleProgress
 from memfit_trainer.data import (
+    BatchShape,
     DataError,
     DatasetTooSmallError,
     DataSource,
@@ -58,19 +59,8 @@ def split_records(records: Any, fraction: float, seed: int) -> tuple[Any, Any]:
     return records.select(np.sort(order[held:])), records.select(np.sort(order[:held]))
 
 
-@dataclass(frozen=True)
-class BatchShape:
-    """How blocks are cut and shared out: the same for the training and the validation data."""
-
-    sequence_length: int
-    micro_batch_size: int
-    rank: int
-    world_size: int
-    seed: int
-
-
 def _packed(records: Any, tokenizer: Any, source: DataSource, shape: BatchShape, *, shuffle: bool) -> PackedBatches:
-    return PackedBatches(records, tokenizer, source, shuffle=shuffle, **asdict(shape))
+    return PackedBatches(records, tokenizer, source, shape, shuffle=shuffle)
 
 
 @dataclass(frozen=True)
@@ -95,10 +85,10 @@ def training_and_validation(
 ) -> tuple[PackedBatches, HeldOut | None]:
     """The training batches and, when the config asks for a validation loss, the held-out ones."""
     if validation is None:
-        return build_batches(source, tokenizer, **asdict(shape)), None
+        return build_batches(source, tokenizer, shape), None
     if validation.path is not None:
         own = replace(source, path=validation.path)
-        training = build_batches(source, tokenizer, **asdict(shape))
+        training = build_batches(source, tokenizer, shape)
         try:
             records = load_records(own)
         except FileNotFoundError as error:
