@@ -21,8 +21,9 @@ from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-PROFILE_VERSION = 2
-"""Bumped when a field changes meaning; a reader refuses a profile of another version (2: ``activations``)."""
+PROFILE_VERSION = 3
+"""Bumped when a field changes meaning; a reader refuses a profile of another version (2: ``activations``;
+3: attention widths, and activations traced for full fine-tuning and for LoRA on packed rows)."""
 
 
 class Role(StrEnum):
@@ -165,19 +166,14 @@ class LayerActivations(_Frozen):
     (gradients of parameters not counted: they are model state)."""
 
 
-class ActivationProfile(_Frozen):
-    """Activation terms traced from a truncated copy of the model (one layer of each type, real widths):
-    a training micro-batch of one row in bf16, forward and backward, gradient checkpointing off, full
-    fine-tuning, under FakeTensorMode with torch's MemTracker (``memfit_trainer.activation_profile``)."""
+class ActivationTerms(_Frozen):
+    """The activation terms of one traced training setup."""
 
-    dtype: str
-    micro_batch: int = Field(ge=1)
-    attention: str
     outside_layers: ActivationTerm
     """Alive at the end of the forward outside the decoder layers: embedding output, masks, rotary tables,
     final norm, logits and loss."""
     layers: tuple[LayerActivations, ...]
-    """One per (layer type, attention kernel)."""
+    """One per layer type."""
 
     def layer(self, layer_type: str) -> LayerActivations:
         """The terms of a layer type."""
@@ -187,6 +183,25 @@ class ActivationProfile(_Frozen):
         """Activations alive when the forward of a model with these decoder layers ends, at ``tokens``."""
         saved = sum(self.layer(kind).saved.bytes(tokens) for kind in layer_types)
         return self.outside_layers.bytes(tokens) + saved
+
+
+class ActivationProfile(_Frozen):
+    """Activation terms traced from a truncated copy of the model (one layer of each type, real widths): a
+    training micro-batch of one row in bf16, forward and backward, gradient checkpointing off, under
+    FakeTensorMode with torch's MemTracker (``memfit_trainer.activation_profile``). The row holds two packed
+    documents (restarting ``position_ids``, as the trainer packs), so the attention mask ``transformers`` builds
+    for packed rows is traced with the rest."""
+
+    dtype: str
+    micro_batch: int = Field(ge=1)
+    attention: str
+    full: ActivationTerms
+    """Full fine-tuning: every parameter trained."""
+    lora: ActivationTerms
+    """LoRA on ``all-linear`` at rank ``lora_rank`` with dropout ``lora_dropout``, adapters in bf16 (as the
+    trainer casts them): the most any LoRA target set keeps (fewer targets, or no dropout, keep less)."""
+    lora_rank: int = Field(ge=1)
+    lora_dropout: float = Field(ge=0, lt=1)
 
 
 class ModelProfile(_Frozen):
@@ -201,6 +216,10 @@ class ModelProfile(_Frozen):
     hidden_size: int
     vocab_size: int
     num_layers: int
+    num_attention_heads: int
+    """Of the full-attention layers (the text config's ``num_attention_heads``)."""
+    num_key_value_heads: int
+    head_dim: int
     layer_types: tuple[str, ...]
     """One per decoder layer; ``full_attention`` everywhere where the config names no layer types."""
     sliding_window: int | None = None
