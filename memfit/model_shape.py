@@ -8,9 +8,13 @@ The counts follow the Hugging Face ``transformers`` implementations of each fami
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import cached_property
+
+from memfit.api.vocabulary import ALL_LINEAR, Attention, Precision
+from memfit.planned_model import TensorCounts, model_flops
 
 
 class ModelFamily(StrEnum):
@@ -103,6 +107,19 @@ class ModelShape:
     num_experts: int = 1
     experts_per_token: int = 1
 
+    untraced_techniques = frozenset[str]()
+    default_attention = Attention.SDPA
+
+    def planned_fields(self) -> None:
+        return None
+
+    @property
+    def basis(self) -> str:
+        return f"typed sizes, counted by memfit's {self.family.value} formulas"
+
+    def unplannable(self, precision: Precision, attention: Attention | None, techniques: frozenset[str]) -> str | None:
+        return None
+
     def __post_init__(self) -> None:
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
@@ -173,10 +190,7 @@ class ModelShape:
         return 2 * self.active_parameters_per_token + 2 * self.num_layers * sequence_length * self.q_size
 
     def model_flops_per_token(self, sequence_length: int, trains_base: bool) -> int:
-        """FLOPs one trained token needs, recomputation not counted (MFU's numerator): the backward is twice
-        the forward when the base is trained (6N in all); with a frozen base (LoRA, QLoRA) it computes no weight
-        gradients, so it costs one forward (4N)."""
-        return self.forward_flops_per_token(sequence_length) * (3 if trains_base else 2)
+        return model_flops(self.forward_flops_per_token(sequence_length), trains_base)
 
     def linears_of(self, *roles: Role) -> tuple[LinearModule, ...]:
         return tuple(m for m in self.layer_linears if m.role in roles)
@@ -244,6 +258,36 @@ class ModelShape:
         expert = sum(m.weight_parameters for m in self.linears_of(Role.EXPERTS)) // self.num_experts
         return self.parameter_count - self.embedding_parameters - self.num_layers * idle_experts * expert
 
+    # --- tensors (memfit.planned_model) ---------------------------------------------------------
+    def full_tensors(self) -> TensorCounts:
+        """Embedding, LM head (unless tied), the final norm and per layer its norms, the linear weights
+        (``out x in``) and biases; fused experts are one 3-d parameter each (``experts x out x in``)."""
+        h = self.hidden_size
+        layer: list[tuple[int, ...]] = [(h,)] * self.norms_per_layer
+        for m in self.layer_linears:
+            fused = (m.count,) if m.role is Role.EXPERTS else ()
+            layer.append((*fused, m.out_features, m.in_features))
+            if m.bias:
+                layer.append((m.out_features,))
+        model = [(self.vocab_size, h), (h,)] + ([] if self.tie_word_embeddings else [(self.vocab_size, h)])
+        return _counted(model, layer, self.num_layers)
+
+    def lora_tensors(self, rank: int, target_modules: tuple[str, ...]) -> TensorCounts:
+        """``lora_A`` (rank x in) and ``lora_B`` (out x rank) per targeted module, where peft's rank of a fused
+        parameter stacks its experts' adapters (:meth:`LinearModule.lora_parameters`)."""
+        layer: list[tuple[int, ...]] = []
+        for m in self.lora_targeted(target_modules):
+            rows = m.lora_rank(rank) * m.count
+            layer += [(rows, m.in_features), (m.out_features, rows)]
+        return _counted([], layer, self.num_layers)
+
+    def quantized_tensors(self) -> tuple[tuple[int, int], ...]:
+        return tuple((m.in_features * m.out_features, m.count * self.num_layers) for m in self.quantizable_linears)
+
+    def in_place_lora_targets(self, target_modules: tuple[str, ...]) -> tuple[str, ...]:
+        targeted = self.lora_targeted(target_modules)
+        return tuple(sorted({name for m in targeted if not m.is_linear for name in m.target_names}))
+
     def lora_parameters(self, rank: int, target_modules: tuple[str, ...]) -> int:
         """Trainable parameters of the LoRA adapters peft creates on the named modules."""
         return self.num_layers * sum(m.lora_parameters(rank) for m in self.lora_targeted(target_modules))
@@ -261,7 +305,7 @@ class ModelShape:
         were ``nn.Linear`` there, when it converts the config for ``transformers`` 5.
         """
         names = {name for m in self.layer_linears for name in m.target_names}
-        if "all-linear" in target_modules:
+        if ALL_LINEAR in target_modules:
             return frozenset(names)
         unknown = sorted(set(target_modules) - names)
         if unknown:
@@ -278,3 +322,10 @@ class ModelShape:
                     f"parameter ({m.name}) in transformers 5, which peft adapts whole"
                 )
         return frozenset(target_modules)
+
+
+def _counted(once: list[tuple[int, ...]], per_layer: list[tuple[int, ...]], layers: int) -> TensorCounts:
+    counts: Counter[tuple[int, ...]] = Counter(once)
+    for tensor in per_layer:
+        counts[tensor] += layers
+    return tuple(counts.items())

@@ -179,7 +179,7 @@ def test_an_internal_error_is_one_line_and_exit_3(
     """A bug is not bad input (2) nor "nothing fits" (1): one escaped line, the traceback only with --debug."""
     import memfit.cli.plan_command
 
-    def broken(*_: object) -> None:
+    def broken(*_: object, **__: object) -> None:
         raise RuntimeError("boom\n\x1b[31m[bold]red")
 
     monkeypatch.setattr(memfit.cli.plan_command, "plan_job", broken)
@@ -201,7 +201,7 @@ def test_an_internal_error_is_one_line_and_exit_3(
 def test_ctrl_c_exits_130(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     import memfit.cli.plan_command
 
-    def interrupted(*_: object) -> None:
+    def interrupted(*_: object, **__: object) -> None:
         raise KeyboardInterrupt
 
     monkeypatch.setattr(memfit.cli.plan_command, "plan_job", interrupted)

@@ -28,6 +28,7 @@ from memfit.api.knobs import Knobs, knobs_of
 from memfit.api.knobs import conflicts as knob_conflicts
 from memfit.api.plan import PlanCandidate
 from memfit.api.vocabulary import (
+    ALL_LINEAR,
     Attention,
     DatasetFormat,
     EndedOutcome,
@@ -41,8 +42,11 @@ from memfit.api.vocabulary import (
     TrainOn,
     ZeroStage,
 )
+from memfit.catalog.model_configs import stored_profile, stored_profile_names
 from memfit.catalog.models import MODEL_PRESETS, model_preset
 from memfit.model_shape import ModelFamily, ModelShape
+from memfit.planned_model import PlannedModel, adapter_problem
+from memfit.profiled_model import ProfiledModel
 
 # Bounds of a FineTuneJob (see memfit.api.base): each far beyond any published model or real job.
 MAX_HIDDEN_SIZE: Final = 131_072
@@ -85,8 +89,9 @@ class Architecture(ApiModel):
     """The model's shape: a built-in `preset`, or the explicit sizes from its config.json."""
 
     preset: Annotated[str, Strict(), Field(min_length=1, max_length=128)] | None = None
-    """A built-in model, e.g. llama-3.1-8b, qwen2.5-7b, mistral-7b-v0.3, gemma-2-9b, phi-3-mini
-    (`memfit presets` lists them). Leave empty to give the sizes instead."""
+    """A built-in model, e.g. llama-3.1-8b, qwen2.5-7b, mistral-7b-v0.3, gemma-2-9b, phi-3-mini (counted by
+    memfit's family formulas), or qwen3-8b, gemma-4-31b, gpt-oss-20b (planned from the stored profile of their
+    config.json); `memfit presets` lists them. Leave empty to give the sizes instead."""
     family: ModelFamily = ModelFamily.LLAMA
     """Architecture family (the `model_type` in config.json): decides module names and layout."""
     hidden_size: Annotated[int, Strict(), Field(ge=1, le=MAX_HIDDEN_SIZE)] | None = None
@@ -114,8 +119,9 @@ class Architecture(ApiModel):
     def _preset_or_sizes(self) -> Architecture:
         given = [name for name in _SHAPE_FIELDS if getattr(self, name) is not None]
         if self.preset is not None:
-            if self.preset.lower() not in MODEL_PRESETS:
-                raise ValueError(f"unknown preset {shown(self.preset)}; known presets: {', '.join(MODEL_PRESETS)}")
+            known = [*MODEL_PRESETS, *(name for name in stored_profile_names() if name not in MODEL_PRESETS)]
+            if self.preset.lower() not in known:
+                raise ValueError(f"unknown preset {shown(self.preset)}; known presets: {', '.join(known)}")
             if given or self.head_dim is not None:
                 raise ValueError("give either `preset` or the explicit sizes, not both")
             return self
@@ -137,8 +143,26 @@ class Architecture(ApiModel):
             raise ValueError("expertsPerToken cannot exceed numExperts")
         return self
 
+    @property
+    def profiled_preset(self) -> str | None:
+        """The preset's name when memfit plans it from a stored profile (no typed shape), else None."""
+        if self.preset is None or self.preset.lower() in MODEL_PRESETS:
+            return None
+        return self.preset.lower()
+
+    def planned(self) -> PlannedModel:
+        """The model the planner works on: a stored profile's, or the typed shape."""
+        name = self.profiled_preset
+        if name is None:
+            return self.shape()
+        profile = stored_profile(name)
+        assert profile is not None  # the validator accepts only stored profiles' names
+        return ProfiledModel(profile)
+
     def shape(self) -> ModelShape:
-        """The resolved shape the memory model works on."""
+        """The typed shape the family formulas work on (a preset planned from a profile has none)."""
+        if self.profiled_preset is not None:
+            raise ValueError(f"preset {self.profiled_preset} is planned from its profile: it has no typed shape")
         if self.preset is not None:
             return model_preset(self.preset)
         assert self.hidden_size and self.intermediate_size and self.num_layers and self.num_attention_heads
@@ -165,8 +189,10 @@ class ModelSpec(ApiModel):
     """What the trainer loads with `from_pretrained`: a Hub id, or a path inside the model volume."""
     source: Source | None = None
     """Where the weights come from. Empty: the Hub, anonymously."""
-    architecture: Architecture
-    """The model's shape, which decides its memory needs."""
+    architecture: Architecture | None = None
+    """The model's sizes (a preset, or sizes copied from its config.json), counted by memfit's formulas for
+    six families. Leave it out to plan the model from its own config.json and code (a profile: `memfit
+    plan --mount`); required with `randomInit`."""
     random_init: StrictBool = False
     """Build the architecture with random weights instead of loading any (smoke tests of a cluster or
     a pipeline; nothing is downloaded)."""
@@ -174,6 +200,12 @@ class ModelSpec(ApiModel):
     """A tokenizer other than the model's own: a directory inside the model volume when `source` is a
     claim, else a Hub id. Default: the model's own (`name`); randomInit models use a built-in byte-level
     tokenizer unless this is set."""
+
+    @model_validator(mode="after")
+    def _random_init_needs_sizes(self) -> ModelSpec:
+        if self.random_init and (self.architecture is None or self.architecture.profiled_preset is not None):
+            raise ValueError("randomInit builds the model from typed sizes: give a formula preset or the sizes")
+        return self
 
 
 class ValidationSpec(ApiModel):
@@ -251,7 +283,7 @@ class LoraSpec(ApiModel):
     dropout: StrictFloat = Field(default=0.05, ge=0, lt=1)
     """Dropout on the adapter input."""
     target_modules: list[Annotated[str, Strict(), Field(min_length=1, max_length=128, pattern=LORA_TARGET)]] = Field(
-        default_factory=lambda: ["all-linear"], min_length=1, max_length=64
+        default_factory=lambda: [ALL_LINEAR], min_length=1, max_length=64
     )
     """Linear modules that get adapters, by name (q_proj, v_proj, ...) or `all-linear`."""
 
@@ -381,16 +413,15 @@ class FineTuneJobSpec(ApiModel):
         return self
 
     def _adapters_peft_can_build(self) -> None:
-        """The LoRA targets exist, and carry no dropout where peft cannot apply it: it adapts a model's fused
-        experts and router in place (``ParamWrapper``), which refuses ``lora_dropout`` != 0."""
-        targeted = self.model.architecture.shape().lora_targeted(tuple(self.lora.target_modules))
-        in_place = sorted({name for m in targeted if not m.is_linear for name in m.target_names})
-        if in_place and self.lora.dropout > 0 and self.method is not Method.FULL:
-            raise ValueError(
-                f"lora.dropout {self.lora.dropout} cannot apply to the adapters on {', '.join(in_place)} (fused "
-                "experts and router, which peft adapts in place without dropout): set lora.dropout: 0, or target "
-                "other modules"
-            )
+        """The typed model has the LoRA targets, and peft can put the adapters on them (a model without
+        typed sizes is checked when its profile is planned)."""
+        architecture = self.model.architecture
+        if architecture is None:
+            return
+        dropout = 0 if self.method is Method.FULL else self.lora.dropout
+        problem = adapter_problem(architecture.planned(), tuple(self.lora.target_modules), dropout)
+        if problem is not None:
+            raise ValueError(problem)
 
     def knobs(self) -> Knobs:
         """What the spec decides: the strategy section's pins, the method, precision and optimizer (auto decides

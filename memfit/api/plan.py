@@ -282,3 +282,8 @@ class PlanResult(ApiModel):
     advice: list[str] = Field(default_factory=list)
     """When nothing fits: why, and what would make the nearest miss fit (each line follows from why the
     candidates were rejected or never tried)."""
+    model_parameters: int
+    """Parameters of the planned model, as ``transformers`` builds it."""
+    model_basis: str
+    """What the memory was computed from: the profile of the model's own code (its config.json), or sizes
+    typed in the job (a preset or explicit sizes) counted by a family's formulas."""

@@ -15,6 +15,9 @@ MANAGED_BY_LABEL: Final = "app.kubernetes.io/managed-by"
 MANAGED_BY: Final = "memfit"
 """The label, and its value, on every object the operator creates: how it finds (and watches) its own pods."""
 
+ALL_LINEAR: Final = "all-linear"
+"""peft's ``target_modules`` shorthand for every linear layer but the output head."""
+
 TIMESTAMP_FORMAT: Final = "%Y-%m-%dT%H:%M:%SZ"
 """RFC 3339 in UTC to the second (``strftime``): the timestamps of a FineTuneJob's status and of checkpoint markers."""
 
@@ -135,6 +138,8 @@ class Reason(StrEnum):
     SPEC_IMMUTABLE = "SpecImmutable"
     PLANNED = "Planned"
     UNSCHEDULABLE = "Unschedulable"
+    MODEL_NOT_PROFILED = "ModelNotProfiled"
+    """The job types no model sizes, and this operator cannot yet profile a model from its config.json."""
     POOL_GONE = "PoolGone"
     LAUNCHING = "Launching"
     RUNNING = "Running"

@@ -22,10 +22,19 @@ INTERNAL_ERROR_LENGTH = 300
 """Characters of an internal error's message shown."""
 
 
+CLAIM_DIRECTORY = "local directory standing in for a PersistentVolumeClaim (default: DIR named CLAIM beside the job)"
+
+
+def _add_mount(parser: argparse.ArgumentParser, help: str) -> None:
+    parser.add_argument("--mount", action="append", default=[], metavar="CLAIM=DIR", help=help)
+
+
 def _plan(args: argparse.Namespace) -> int:
     from memfit.cli.plan_command import run_plan
 
-    return run_plan(args.job, args.inventory, args.output, args.emit_ds_config, args.job_name, args.max_sequence_length)
+    return run_plan(
+        args.job, args.inventory, args.output, args.emit_ds_config, args.job_name, args.max_sequence_length, args.mount
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -111,19 +120,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead of one plan: the longest sequenceLength the job fits on each pool, and the plan that reaches it",
     )
+    _add_mount(plan, "directory standing in for the model's claim: a job without spec.model.architecture is "
+               "planned from the config.json there (default: DIR named CLAIM beside the job)")  # fmt: skip
     plan.set_defaults(handler=_plan)
 
     run = commands.add_parser("run", parents=[debug], help="plan for this machine and train here (--local)")
     run.add_argument("job", type=Path, help="YAML file with one FineTuneJob")
     run.add_argument("--local", action="store_true", help="run on this machine (its GPUs, or CPU processes)")
     run.add_argument("--nproc", type=int, metavar="N", help="ranks (default: every GPU, or 2 CPU processes)")
-    run.add_argument(
-        "--mount",
-        action="append",
-        default=[],
-        metavar="CLAIM=DIR",
-        help="local directory standing in for a PersistentVolumeClaim (default: DIR named CLAIM beside the job)",
-    )
+    _add_mount(run, CLAIM_DIRECTORY)
     run.add_argument("--workdir", type=Path, help="where the rendered configs go (default: the output dir/.memfit)")
     run.add_argument("--dry-run", action="store_true", help="plan and render the configs, do not train")
     run.set_defaults(handler=_run)
@@ -134,13 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         "preview", parents=[debug], help="the first sequences, targets marked, and token statistics (no GPU)"
     )
     preview.add_argument("job", type=Path, help="YAML file with one FineTuneJob")
-    preview.add_argument(
-        "--mount",
-        action="append",
-        default=[],
-        metavar="CLAIM=DIR",
-        help="local directory standing in for a PersistentVolumeClaim (default: DIR named CLAIM beside the job)",
-    )
+    _add_mount(preview, CLAIM_DIRECTORY)
     preview.add_argument("-n", type=int, default=3, metavar="N", help="sequences to show (default 3)")
     preview.add_argument("-o", "--output", choices=("text", "json"), default="text", help="output format")
     preview.set_defaults(handler=_data_preview)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
@@ -14,7 +15,10 @@ from memfit.api.gpupool import GPUPool
 from memfit.api.loading import InputError, load_documents
 from memfit.api.vocabulary import Engine
 from memfit.cli.exit_codes import ExitCode
+from memfit.cli.model_profiles import ProfileFailed
 from memfit.cli.plan_table import print_longest_table, print_plan_table
+from memfit.cli.run_command import model_claim_directory, parse_mounts, profiled_model
+from memfit.planned_model import PlannedModel
 from memfit.planner.longest import longest_sequence
 from memfit.planner.search import PlanningError, plan_job
 from memfit.render.deepspeed import deepspeed_config
@@ -61,6 +65,7 @@ def run_plan(
     ds_config_path: Path | None,
     job_name: str | None,
     max_sequence_length: bool = False,
+    mount_args: Sequence[str] = (),
 ) -> int:
     if max_sequence_length and ds_config_path is not None:
         return _error("--emit-ds-config writes one plan's config: leave out --max-sequence-length")
@@ -70,12 +75,16 @@ def run_plan(
         if len(documents.pools) > MAX_POOLS:
             files = ", ".join(escaped(str(path)) for path in (job_path, *inventory))
             raise InputError(f"{files}: {len(documents.pools)} GPUPools: memfit plan plans over at most {MAX_POOLS}")
-    except InputError as error:
+        model = profiled_model(job, model_claim_directory(job, job_path, parse_mounts(job_path, list(mount_args))))
+    except ProfileFailed as error:
+        print(f"memfit plan: error: {escaped(str(error))}", file=sys.stderr)
+        return error.exit_code
+    except (InputError, ValueError) as error:
         return _error(error)
     if max_sequence_length:
-        return _run_longest(job, documents.pools, job_path, output)
+        return _run_longest(job, documents.pools, job_path, output, model)
     try:
-        result = plan_job(job.spec, documents.pools)
+        result = plan_job(job.spec, documents.pools, model=model)
     except PlanningError as error:  # the request names something the inventory lacks
         return _error(f"{job_path}: FineTuneJob {shown(job.metadata.name)}: {error}")
 
@@ -91,7 +100,7 @@ def run_plan(
         print(f"the chosen plan runs on the {result.chosen.strategy.engine} engine, which has no DeepSpeed config: "
               f"nothing written to {escaped(str(ds_config_path))}", file=sys.stderr)  # fmt: skip
     elif ds_config_path is not None and result.chosen is not None:
-        config = deepspeed_config(job.spec, result.chosen.strategy)
+        config = deepspeed_config(job.spec, result.chosen.strategy, model)
         try:
             ds_config_path.write_text(json.dumps(config, indent=2) + "\n")
         except OSError as error:
@@ -100,10 +109,12 @@ def run_plan(
     return ExitCode.OK if result.chosen is not None else ExitCode.NO_FIT
 
 
-def _run_longest(job: FineTuneJob, pools: list[GPUPool], job_path: Path, output: str) -> int:
+def _run_longest(
+    job: FineTuneJob, pools: list[GPUPool], job_path: Path, output: str, model: PlannedModel | None
+) -> int:
     """``--max-sequence-length``: one row per pool (exit 1 when the job fits on none at any length)."""
     try:
-        rows = longest_sequence(job.spec, pools, progress=_progress if output == "table" else None)
+        rows = longest_sequence(job.spec, pools, progress=_progress if output == "table" else None, model=model)
     except PlanningError as error:
         return _error(f"{job_path}: FineTuneJob {shown(job.metadata.name)}: {error}")
     if output == "table":

@@ -92,8 +92,8 @@ def _print_heading(console: Console, job: FineTuneJob, about: str) -> None:
 def print_plan_table(job: FineTuneJob, result: PlanResult, console: Console | None = None) -> None:
     console = console or _new_console()
     spec = job.spec
-    shape, training = spec.model.architecture.shape(), spec.training
-    about = (f" ({_params(shape.parameter_count)} parameters), method {spec.method.value}, "
+    training = spec.training
+    about = (f" ({_params(result.model_parameters)} parameters), method {spec.method.value}, "
              f"{training.global_batch_size} x {training.sequence_length} tokens per step")  # fmt: skip
     _print_heading(console, job, about)
     chosen = result.chosen

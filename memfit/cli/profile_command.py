@@ -8,7 +8,6 @@ a config.json, or the name of a config memfit stores (``memfit.catalog.model_con
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from rich.table import Table
 
 from memfit.catalog.model_configs import stored_config_path
 from memfit.cli.exit_codes import ExitCode
+from memfit.cli.model_profiles import ProfileFailed, make_profile
 from memfit.profile import ActivationProfile, ActivationTerm, LoraModules, ModelProfile
 
 BILLION = 1e9
@@ -99,18 +99,13 @@ def _lora_label(group: LoraModules) -> str:
 
 
 def run_profile(model: str, output: str, lora_targets: list[str], activations: bool = False) -> int:
-    command = [sys.executable, "-m", "memfit_trainer.profile", str(_model_path(model)), "-o", "json"]
-    for targets in lora_targets:
-        command += ["--lora-targets", targets]
-    if activations:
-        command.append("--activations")
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        lines = done.stderr.strip().splitlines()
-        print(lines[-1] if lines else f"memfit profile: error: exit {done.returncode}", file=sys.stderr)
-        return ExitCode.BAD_INPUT if done.returncode == ExitCode.BAD_INPUT else ExitCode.INTERNAL_ERROR
+    try:
+        text = make_profile(_model_path(model), lora_targets, activations)
+    except ProfileFailed as error:
+        print(f"memfit profile: error: {error}", file=sys.stderr)
+        return error.exit_code
     if output == "json":
-        print(done.stdout.strip())
+        print(text)
     else:
-        _print_text(ModelProfile.model_validate_json(done.stdout), Console(soft_wrap=True))
+        _print_text(ModelProfile.model_validate_json(text), Console(soft_wrap=True))
     return ExitCode.OK

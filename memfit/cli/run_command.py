@@ -26,11 +26,14 @@ from memfit.api.finetunejob import FineTuneJob
 from memfit.api.loading import InputError, describe_validation_error, load_documents
 from memfit.cli.exit_codes import ExitCode
 from memfit.cli.local_machine import inspect_machine, local_pool
+from memfit.cli.model_profiles import ProfileFailed, directory_profile
 from memfit.contract.model_match import model_directory_problem
 from memfit.contract.sections import MetricsConfig
 from memfit.contract.termination import CONFIG_ERROR_PREFIX, config_error_message
 from memfit.contract.trainer_config import TrainerConfig
+from memfit.planned_model import PlannedModel
 from memfit.planner.search import PlanningError, plan_job
+from memfit.profiled_model import ProfiledModel
 from memfit.render.trainer_config import Mounts, inside, model_config, render_trainer_config
 
 DEFAULT_CPU_RANKS = 2
@@ -82,16 +85,41 @@ def _claim_dir(job_file: Path, mounts: dict[str, Path], claim: str | None, field
     return str(contained(beside, job_dir, f"{field} {claim!r}: the claim's directory"))
 
 
+def model_claim_directory(job: FineTuneJob, job_file: Path, mounts: dict[str, Path]) -> str | None:
+    """The directory standing in for the model's claim, None when the model is not on one (the Hub)."""
+    source = job.spec.model.source
+    return _claim_dir(job_file, mounts, source.pvc if source else None, "model.source.pvc")
+
+
+def profiled_model(job: FineTuneJob, model_claim: str | None) -> ProfiledModel | None:
+    """None when the job types the model's sizes; else the model as its profile describes it, made from the
+    config.json in the model's directory on its claim (cached: memfit.cli.model_profiles)."""
+    if job.spec.model.architecture is not None:
+        return None
+    if model_claim is None:
+        raise InputError(
+            "spec.model.architecture is not given and the model is not on a claim (model.source.pvc): memfit "
+            "plans it from its config.json on the claim and downloads nothing; give the architecture, or put "
+            "the model on a claim"
+        )
+    name = model_config(job.spec.model, model_claim).name_or_path
+    directory = contained(Path(name), Path(model_claim), "model.source.path: the model")
+    return ProfiledModel(directory_profile(directory, job.spec.lora.target_modules, _say))
+
+
+def _say(line: str) -> None:
+    print(f"memfit: {line}", file=sys.stderr)
+
+
 def local_mounts(job: FineTuneJob, job_file: Path, mounts: dict[str, Path]) -> Mounts:
     spec = job.spec
-    model_claim = spec.model.source.pvc if spec.model.source else None
     data = _claim_dir(job_file, mounts, spec.dataset.source.pvc, "dataset.source.pvc")
     if data is None:
         raise InputError("--local needs the dataset on a volume (dataset.source.pvc): Hub datasets are not fetched")
     output = _claim_dir(job_file, mounts, spec.output.pvc, "output.pvc")
     if output is None:
         raise InputError("output.pvc: required")
-    return Mounts(model=_claim_dir(job_file, mounts, model_claim, "model.source.pvc"), data=data, output=output)
+    return Mounts(model=model_claim_directory(job, job_file, mounts), data=data, output=output)
 
 
 def _check_paths(config: TrainerConfig, mounts: Mounts) -> None:
@@ -102,14 +130,16 @@ def _check_paths(config: TrainerConfig, mounts: Mounts) -> None:
         contained(Path(config.model.name_or_path), Path(config.volumes.model), "model.source.path: the model")
 
 
-def check_model(job: FineTuneJob, mounts: Mounts) -> None:
-    """The model directory on its claim exists, holds config.json, and that config is the shape the plan
-    was made for (memfit.contract.model_match, as the trainer checks it): before anything is written."""
+def check_model(job: FineTuneJob, mounts: Mounts, planned: PlannedModel | None = None) -> None:
+    """The model directory on its claim exists, holds config.json, and that config is the shape (or, planned
+    from a profile, the config.json) the plan was made for (memfit.contract.model_match, as the trainer checks
+    it): before anything is written."""
     if mounts.model is None or job.spec.model.random_init:
         return
     model = model_config(job.spec.model, mounts.model)
     directory = contained(Path(model.name_or_path), Path(mounts.model), "model.source.path: the model")
-    problem = model_directory_problem(directory, model.architecture)
+    fields = planned.planned_fields() if planned is not None else None
+    problem = model_directory_problem(directory, model.architecture, fields)
     if problem is not None:
         raise InputError(problem)
 
@@ -168,7 +198,11 @@ def run_local(job_file: Path, ranks: int | None, mount_args: list[str], workdir:
             update={"resources": job.spec.resources.model_copy(update={"pool": "local", "max_gpus": ranks})}
         )
         pool = local_pool(machine, ranks)
-        result = plan_job(spec, [pool])
+        planned = profiled_model(job, mounts.model)
+        result = plan_job(spec, [pool], model=planned)
+    except ProfileFailed as error:
+        print(f"memfit run: error: {error}", file=sys.stderr)
+        return error.exit_code
     except (InputError, PlanningError, ValueError) as error:
         print(f"memfit run: error: {error}", file=sys.stderr)
         return ExitCode.BAD_INPUT
@@ -183,12 +217,12 @@ def run_local(job_file: Path, ranks: int | None, mount_args: list[str], workdir:
         ranks = result.chosen.strategy.gpus
 
     try:
-        check_model(job, mounts)
+        check_model(job, mounts, planned)
         workdir = _work_directory(workdir, output_dir)
         config = render_trainer_config(
             job, result.chosen, mounts=mounts,
             metrics=MetricsConfig(port=0, progress_file=str(workdir / "progress.json")),
-            termination_log=str(workdir / "termination-log"),
+            termination_log=str(workdir / "termination-log"), planned=planned,
         )  # fmt: skip
         _check_paths(config, mounts)
         config_path = write_config_file(workdir, config.to_json())

@@ -20,7 +20,7 @@ from memfit.model_shape import ModelFamily, ModelShape
 CONFIG_FILE = "config.json"
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
 """A model's config.json is a few kilobytes; anything far larger is not one."""
-FIX = "fix spec.model.architecture or point model.source at the planned model"
+FIX = "fix spec.model.architecture (or plan the job again) or point model.source at the planned model"
 
 
 class ModelDirectoryError(ValueError):
@@ -69,14 +69,26 @@ def _same(loaded: Any, planned: Any) -> bool:
 
 def shape_mismatch(shape: ModelShape, loaded: Mapping[str, Any], source: str) -> str | None:
     """One line naming every field the model config ``loaded`` (config.json's keys) holds differently from
-    the planned ``shape``, or None when they agree. A field the config does not state (or states as null) is
-    not compared: ``transformers`` fills it with its class default, which only the trainer knows."""
-    planned = {"model_type": shape.family.value, **config_fields(shape)}
-    differ = [key for key, value in planned.items() if loaded.get(key) is not None and not _same(loaded[key], value)]
+    the planned ``shape``, or None when they agree (:func:`fields_mismatch`)."""
+    return fields_mismatch({"model_type": shape.family.value, **config_fields(shape)}, loaded, source)
+
+
+def _stated(loaded: Mapping[str, Any], key: str) -> Any:
+    """``loaded``'s value of ``key``: ``model_type`` at the top, sizes in the text config of a multimodal one."""
+    text = loaded.get("text_config")
+    return loaded.get(key) if key == "model_type" or not isinstance(text, Mapping) else text.get(key)
+
+
+def fields_mismatch(planned: Mapping[str, Any], loaded: Mapping[str, Any], source: str) -> str | None:
+    """One line naming every planned field the model config ``loaded`` holds differently, or None when they
+    agree. A field the config does not state (or states as null) is not compared: ``transformers`` fills it
+    with its class default, which only the trainer knows."""
+    differ = [key for key, value in planned.items() if _stated(loaded, key) is not None]
+    differ = [key for key in differ if not _same(_stated(loaded, key), planned[key])]
     if not differ:
         return None
     where = f"model directory {source}" if Path(source).is_dir() else f"model {source}"
-    held = _join([_describe(key, loaded[key]) for key in differ])
+    held = _join([_describe(key, _stated(loaded, key)) for key in differ])
     wanted = _join([_describe(key, planned[key]) for key in differ])
     return f"{where} holds {held}, but the plan was made for {wanted}: {FIX}"
 
@@ -105,10 +117,15 @@ def read_model_config(directory: str | Path) -> dict[str, Any]:
     return loaded
 
 
-def model_directory_problem(directory: str | Path, shape: ModelShape | None) -> str | None:
-    """Why the model directory cannot be the planned model (missing, no config.json, another shape), or None."""
+def model_directory_problem(
+    directory: str | Path, shape: ModelShape | None, planned_fields: Mapping[str, Any] | None = None
+) -> str | None:
+    """Why the model directory cannot be the planned model (missing, no config.json, another shape than the
+    typed one or than the profiled ``planned_fields``), or None."""
     try:
         loaded = read_model_config(directory)
     except ModelDirectoryError as error:
         return str(error)
+    if planned_fields is not None:
+        return fields_mismatch(planned_fields, loaded, str(directory))
     return shape_mismatch(shape, loaded, str(directory)) if shape is not None else None

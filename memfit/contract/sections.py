@@ -10,6 +10,7 @@ from pydantic import Field, Strict, ValidatorFunctionWrapHandler, field_validato
 
 from memfit.api.base import ApiModel
 from memfit.api.vocabulary import (
+    ALL_LINEAR,
     Attention,
     DatasetFormat,
     MasterWeights,
@@ -79,6 +80,16 @@ class ModelConfig(ApiModel):
     """The model's shape (memfit.model_shape.ModelShape) the plan was made for; required with randomInit.
     Optional for a model directory or Hub id (families without a typed shape): without it the loaded model
     is compared with no planned shape (memfit.contract.model_match), and its own config builds it."""
+    planned_fields: (
+        dict[
+            Annotated[str, Strict(), Field(min_length=1, max_length=64)],
+            Annotated[bool, Strict()] | Annotated[int, Strict()] | Annotated[str, Strict(), Field(max_length=256)],
+        ]
+        | None
+    ) = Field(default=None, max_length=32)
+    """config.json fields of the model the plan profiled (``model_type``, the sizes): the trainer refuses a
+    model that states any of them otherwise (memfit.contract.model_match). None for typed sizes
+    (``architecture``)."""
     revision: Name | None = None
     tokenizer: Annotated[str, Strict(), Field(min_length=1, max_length=MAX_PATH_LENGTH)] | None = None
     """Hub id or local directory of the tokenizer when it is not the model's own (``name_or_path``); a
@@ -162,12 +173,12 @@ class LoraConfig(ApiModel):
     target_modules: Annotated[
         list[Annotated[str, Strict(), Field(min_length=1, max_length=256, pattern=LORA_TARGET)]],
         Field(min_length=1, max_length=256),
-    ] = Field(default_factory=lambda: ["all-linear"])
+    ] = Field(default_factory=lambda: [ALL_LINEAR])
 
     @field_validator("target_modules")
     @classmethod
     def _all_linear_alone(cls, targets: list[str]) -> list[str]:
-        if "all-linear" in targets and len(targets) > 1:
+        if ALL_LINEAR in targets and len(targets) > 1:
             raise ValueError("`all-linear` stands for every linear module: list it alone")
         return targets
 

@@ -10,7 +10,7 @@ from typing import Protocol
 from memfit.memory.activations import ActivationEstimate
 from memfit.memory.setup import Adapters, StaticSetup
 from memfit.memory.states import ModelStates
-from memfit.model_shape import ModelShape
+from memfit.planned_model import PlannedModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,15 +46,15 @@ class ForwardBackward(Protocol):
 class EngineMemory(Protocol):
     """The memory facts that differ between training engines."""
 
-    def model_states(self, shape: ModelShape, setup: StaticSetup, adapters: Adapters) -> ModelStates:
+    def model_states(self, shape: PlannedModel, setup: StaticSetup, adapters: Adapters) -> ModelStates:
         """One rank's weights, gradients and optimizer states."""
         ...
 
-    def communication_buffers(self, shape: ModelShape, setup: StaticSetup, trainable: int) -> int:
+    def communication_buffers(self, shape: PlannedModel, setup: StaticSetup, trainable: int) -> int:
         """GPU bytes the engine keeps for collective communication throughout the step."""
         ...
 
-    def loaded_on_host(self, shape: ModelShape, setup: StaticSetup) -> int:
+    def loaded_on_host(self, shape: PlannedModel, setup: StaticSetup) -> int:
         """Bytes one rank holds in host memory while it builds the model, before the engine places it."""
         ...
 
@@ -63,7 +63,7 @@ class EngineMemory(Protocol):
         ...
 
     def forward_backward(
-        self, shape: ModelShape, setup: StaticSetup, adapters: Adapters, states: ModelStates
+        self, shape: PlannedModel, setup: StaticSetup, adapters: Adapters, states: ModelStates
     ) -> ForwardBackward:
         """The forward and backward passes' buffers of ``setup``, whose model states are ``states``."""
         ...

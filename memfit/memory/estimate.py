@@ -31,7 +31,7 @@ from memfit.memory.overhead import FRAGMENTATION, runtime_bytes
 from memfit.memory.setup import Adapters, LoraSettings, StaticSetup
 from memfit.memory.sizes import compute_bytes
 from memfit.memory.states import ModelStates, trainable_split
-from memfit.model_shape import ModelShape
+from memfit.planned_model import PlannedModel
 from memfit.units import GIB
 
 HOST_BYTES_PER_RANK = 3 * GIB
@@ -45,13 +45,13 @@ field by field (the planner looks activations up for every micro-batch it tries)
 
 
 @lru_cache(maxsize=64)
-def _lora_targets(shape: ModelShape, targets: tuple[str, ...]) -> frozenset[str]:
+def _lora_targets(shape: PlannedModel, targets: tuple[str, ...]) -> frozenset[str]:
     """``shape.resolve_lora_targets``, once per search rather than once per micro-batch tried."""
     return shape.resolve_lora_targets(targets)
 
 
 def activation_setup(
-    shape: ModelShape,
+    shape: PlannedModel,
     strategy: Strategy,
     sequence_length: int,
     lora: LoraSettings,
@@ -78,17 +78,17 @@ def activation_setup(
     )
 
 
-def model_states(shape: ModelShape, strategy: Strategy, adapters: Adapters) -> ModelStates:
+def model_states(shape: PlannedModel, strategy: Strategy, adapters: Adapters) -> ModelStates:
     """Weights, gradients and optimizer states of one rank for ``strategy``, on its engine."""
     return ENGINE_MEMORY[strategy.engine].model_states(shape, StaticSetup.of(strategy), adapters)
 
 
-def loaded_on_host(shape: ModelShape, setup: StaticSetup) -> int:
+def loaded_on_host(shape: PlannedModel, setup: StaticSetup) -> int:
     """Bytes one rank holds in host memory while it builds the model, before the engine places it."""
     return ENGINE_MEMORY[setup.engine].loaded_on_host(shape, setup)
 
 
-def host_memory_per_node(shape: ModelShape, setup: StaticSetup, states: ModelStates) -> tuple[int, int]:
+def host_memory_per_node(shape: PlannedModel, setup: StaticSetup, states: ModelStates) -> tuple[int, int]:
     """(CPU, NVMe) bytes of one node: its ranks' offloaded states, or loading the model, if larger."""
     ranks = setup.gpus_per_node
     steady = ranks * (states.cpu_per_rank + HOST_BYTES_PER_RANK)
@@ -122,7 +122,7 @@ class StaticMemory:
         return self.states.parameters + self.states.optimizer_states + self.communication_buffers + self.runtime
 
 
-def static_memory(shape: ModelShape, setup: StaticSetup, lora: LoraSettings) -> StaticMemory:
+def static_memory(shape: PlannedModel, setup: StaticSetup, lora: LoraSettings) -> StaticMemory:
     engine, adapters = ENGINE_MEMORY[setup.engine], lora.adapters
     states = engine.model_states(shape, setup, adapters)
     trainable = trainable_split(shape, setup.method, adapters).trainable

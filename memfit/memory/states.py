@@ -10,14 +10,13 @@ managed memory (see :func:`optimizer_state_bytes`).
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 
 from memfit.api.vocabulary import EIGHT_BIT_OPTIMIZERS, Method, Optimizer
 from memfit.memory.setup import Adapters
 from memfit.memory.sizes import FP32
-from memfit.model_shape import ModelShape, Role
+from memfit.planned_model import PlannedModel, TensorCounts
 
 EIGHT_BIT_MIN_SIZE = 4096
 """bitsandbytes' ``min_8bit_size``: a tensor of fewer elements gets two fp32 states instead of 8-bit ones."""
@@ -43,7 +42,7 @@ class TrainableSplit:
 
 
 @lru_cache(maxsize=256)
-def trainable_split(shape: ModelShape, method: Method, adapters: Adapters) -> TrainableSplit:
+def trainable_split(shape: PlannedModel, method: Method, adapters: Adapters) -> TrainableSplit:
     total = shape.parameter_count
     if method == Method.FULL:
         return TrainableSplit(total, total, 0, 0)
@@ -55,39 +54,12 @@ def trainable_split(shape: ModelShape, method: Method, adapters: Adapters) -> Tr
 
 
 @lru_cache(maxsize=256)
-def trainable_tensors(shape: ModelShape, method: Method, adapters: Adapters) -> tuple[tuple[tuple[int, ...], int], ...]:
+def trainable_tensors(shape: PlannedModel, method: Method, adapters: Adapters) -> TensorCounts:
     """The shapes of the trained tensors, as ``transformers`` and ``peft`` build them, each with how many
-    tensors have it (the layers repeat theirs: counted, not listed, whatever the depth).
-
-    Full fine-tuning: embedding, LM head (unless tied), the final norm and per layer its norms, the linear
-    weights (``out x in``) and biases; fused experts are one 3-d parameter each (``experts x out x in``:
-    Mixtral's ``gate_up_proj`` and ``down_proj``). LoRA and QLoRA: ``lora_A`` (rank x in) and ``lora_B``
-    (out x rank) per targeted module, where peft's rank of a fused parameter stacks its experts' adapters
-    (:meth:`~memfit.model_shape.LinearModule.lora_parameters`)."""
-    h = shape.hidden_size
-    layer: list[tuple[int, ...]] = []
+    tensors have it: every parameter in full fine-tuning, the adapters' ``lora_A`` and ``lora_B`` otherwise."""
     if method == Method.FULL:
-        layer += [(h,)] * shape.norms_per_layer
-        for m in shape.layer_linears:
-            fused = (m.count,) if m.role is Role.EXPERTS else ()
-            layer.append((*fused, m.out_features, m.in_features))
-            if m.bias:
-                layer.append((m.out_features,))
-        model = [(shape.vocab_size, h), (h,)] + ([] if shape.tie_word_embeddings else [(shape.vocab_size, h)])
-        return _counted(model, layer, shape.num_layers)
-    for m in shape.lora_targeted(adapters.targets):
-        rows = m.lora_rank(adapters.rank) * m.count
-        layer += [(rows, m.in_features), (m.out_features, rows)]
-    return _counted([], layer, shape.num_layers)
-
-
-def _counted(
-    once: list[tuple[int, ...]], per_layer: list[tuple[int, ...]], layers: int
-) -> tuple[tuple[tuple[int, ...], int], ...]:
-    counts: Counter[tuple[int, ...]] = Counter(once)
-    for tensor in per_layer:
-        counts[tensor] += layers
-    return tuple(counts.items())
+        return shape.full_tensors()
+    return shape.lora_tensors(adapters.rank, adapters.targets)
 
 
 @dataclass(frozen=True)
@@ -140,7 +112,7 @@ def _adafactor_bytes(tensor: tuple[int, ...]) -> int:
 
 @lru_cache(maxsize=1024)
 def _per_tensor_state_bytes(
-    shape: ModelShape, method: Method, adapters: Adapters, optimizer: Optimizer, element_bytes: int
+    shape: PlannedModel, method: Method, adapters: Adapters, optimizer: Optimizer, element_bytes: int
 ) -> OptimizerStateBytes:
     device = paged = 0.0
     eight_bit = False
@@ -156,7 +128,7 @@ def _per_tensor_state_bytes(
 
 
 def optimizer_state_bytes(
-    shape: ModelShape,
+    shape: PlannedModel,
     method: Method,
     adapters: Adapters,
     optimizer: Optimizer,
@@ -200,6 +172,6 @@ class ModelStates:
 
 
 @lru_cache(maxsize=256)
-def largest_trainable_tensor(shape: ModelShape, method: Method, adapters: Adapters) -> int:
+def largest_trainable_tensor(shape: PlannedModel, method: Method, adapters: Adapters) -> int:
     """Elements of the largest trained tensor (the embedding or LM head in full fine-tuning)."""
     return max(math.prod(t) for t, _ in trainable_tensors(shape, method, adapters))

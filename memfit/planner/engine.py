@@ -7,7 +7,7 @@ from typing import Protocol
 
 from memfit.api.gpupool import PoolCapacity
 from memfit.api.plan import Strategy
-from memfit.model_shape import ModelShape
+from memfit.planned_model import PlannedModel
 
 CPU_ADAM_PARAMS_PER_SECOND_PER_NODE = 1.5e9
 """DeepSpeedCPUAdam updates per second on a modern dual-socket host (ZeRO-Offload paper order)."""
@@ -16,10 +16,10 @@ CPU_ADAM_PARAMS_PER_SECOND_PER_NODE = 1.5e9
 class EngineTraffic(Protocol):
     """The step-time facts that differ between training engines."""
 
-    def communication_bytes(self, shape: ModelShape, strategy: Strategy, trainable: int) -> float:
+    def communication_bytes(self, shape: PlannedModel, strategy: Strategy, trainable: int) -> float:
         """Bytes each rank moves through collectives per optimizer step (more than one GPU)."""
         ...
 
-    def offload_seconds(self, shape: ModelShape, strategy: Strategy, pool: PoolCapacity, trainable: int) -> float:
+    def offload_seconds(self, shape: PlannedModel, strategy: Strategy, pool: PoolCapacity, trainable: int) -> float:
         """Seconds per optimizer step of host traffic and of the optimizer stepping on the host."""
         ...

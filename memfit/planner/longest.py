@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from memfit.api.finetunejob import MAX_SEQUENCE_LENGTH, MIN_SEQUENCE_LENGTH, FineTuneJobSpec
 from memfit.api.gpupool import GPUPool
 from memfit.api.plan import PlanCandidate
-from memfit.planner.search import best_plan, selected_pools
+from memfit.planned_model import PlannedModel
+from memfit.planner.search import best_plan, planned_model, selected_pools
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,10 +34,14 @@ def with_sequence_length(spec: FineTuneJobSpec, sequence_length: int, pool: str)
 
 
 def longest_sequence(
-    spec: FineTuneJobSpec, pools: Sequence[GPUPool], progress: Callable[[str], None] | None = None
+    spec: FineTuneJobSpec,
+    pools: Sequence[GPUPool],
+    progress: Callable[[str], None] | None = None,
+    model: PlannedModel | None = None,
 ) -> list[LongestSequence]:
     """Per pool (the job's own, if it names one): bisect sequenceLength between the shortest and the
-    longest the API accepts, planning at each step."""
+    longest the API accepts, planning at each step (``model``: as for ``plan_job``)."""
+    model = planned_model(spec, model)
     results = []
     for capacity in selected_pools(spec, pools):  # raises PlanningError as planning does
         name = capacity.name
@@ -44,7 +49,7 @@ def longest_sequence(
             progress(name)
 
         def plan_at(length: int, name: str = name) -> PlanCandidate | None:
-            return best_plan(with_sequence_length(spec, length, name), pools)
+            return best_plan(with_sequence_length(spec, length, name), pools, model)
 
         best = plan_at(MIN_SEQUENCE_LENGTH)
         if best is None:

@@ -10,7 +10,7 @@ from typing import Any
 from memfit.api.finetunejob import FineTuneJobSpec
 from memfit.api.plan import PlanCandidate, PlanThroughput, RejectedCandidate
 from memfit.api.vocabulary import Method, PlannedMethod
-from memfit.model_shape import ModelShape
+from memfit.planned_model import PlannedModel
 from memfit.planner.evaluated import Evaluated, Fit, Shortfall
 from memfit.planner.throughput import estimate_throughput
 
@@ -113,7 +113,7 @@ def why_chosen(spec: FineTuneJobSpec, ranked: list[Fit]) -> str:
     return sentence + bought + "."
 
 
-def _candidate_fields(shape: ModelShape, evaluated: Evaluated, throughput: PlanThroughput) -> dict[str, Any]:
+def _candidate_fields(shape: PlannedModel, evaluated: Evaluated, throughput: PlanThroughput) -> dict[str, Any]:
     return {
         "strategy": evaluated.strategy,
         "parameter_count": shape.parameter_count,
@@ -125,11 +125,11 @@ def _candidate_fields(shape: ModelShape, evaluated: Evaluated, throughput: PlanT
     }
 
 
-def to_candidate(shape: ModelShape, fit: Fit) -> PlanCandidate:
+def to_candidate(shape: PlannedModel, fit: Fit) -> PlanCandidate:
     return PlanCandidate(**_candidate_fields(shape, fit.evaluated, fit.throughput), techniques=fit.techniques)
 
 
-def to_miss(shape: ModelShape, sequence_length: int, miss: Evaluated) -> Miss:
+def to_miss(shape: PlannedModel, sequence_length: int, miss: Evaluated) -> Miss:
     shortfall = miss.shortfall
     assert shortfall is not None, "a miss falls short of something"
     throughput = estimate_throughput(shape, miss.strategy, miss.capacity, sequence_length, miss.trainable)

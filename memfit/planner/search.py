@@ -40,7 +40,6 @@ from memfit.api.knobs import conflicts as knob_conflicts
 from memfit.api.plan import PlanCandidate, PlanResult, Strategy
 from memfit.api.techniques import TECHNIQUES
 from memfit.api.vocabulary import (
-    Attention,
     Engine,
     MasterWeights,
     Method,
@@ -49,10 +48,11 @@ from memfit.api.vocabulary import (
     PlannedPrecision,
     Precision,
 )
-from memfit.memory.activations import ActivationEstimate, ActivationSetup, estimate_activations
+from memfit.memory.activations import ActivationEstimate, ActivationSetup
 from memfit.memory.estimate import StaticMemory, activation_setup, static_memory, step_total
+from memfit.memory.profiled_activations import model_activations
 from memfit.memory.setup import LoraSettings, StaticSetup
-from memfit.model_shape import ModelShape
+from memfit.planned_model import PlannedModel, adapter_problem
 from memfit.planner.advice import Untried, advise
 from memfit.planner.evaluated import Chosen, Evaluated, Fit, shortfall_ratio
 from memfit.planner.layouts import layouts
@@ -87,7 +87,7 @@ class _Search:
     """The fixed inputs of one planning run, its caches and what it found."""
 
     spec: FineTuneJobSpec
-    shape: ModelShape
+    shape: PlannedModel
     lora: LoraSettings
     exclude: Collection[str]
     """Identities of strategies known to fail (status.excludedStrategies)."""
@@ -137,7 +137,7 @@ class _Search:
                 engine=engine,
                 clips_gradients=self.spec.training.max_grad_norm > 0,
             )
-            variants = self.variants[inputs] = _technique_variants(self.spec, knobs)
+            variants = self.variants[inputs] = _technique_variants(self.spec, knobs, self.shape)
         return variants
 
     def outpaced(self, plain: Strategy, largest_micro: int, capacity: PoolCapacity) -> bool:
@@ -172,16 +172,22 @@ class _Search:
         setup = activation_setup(self.shape, template, self.sequence_length, self.lora, micro_batch_size)
         estimate = self.activations.get(setup)
         if estimate is None:
-            estimate = self.activations[setup] = estimate_activations(self.shape, setup)
+            estimate = self.activations[setup] = model_activations(self.shape, setup)
         return estimate
 
 
-def plan_job(spec: FineTuneJobSpec, pools: Sequence[GPUPool], exclude: Collection[str] = ()) -> PlanResult:
+def plan_job(
+    spec: FineTuneJobSpec,
+    pools: Sequence[GPUPool],
+    exclude: Collection[str] = (),
+    model: PlannedModel | None = None,
+) -> PlanResult:
     """Plan ``spec`` on ``pools``; ``exclude`` holds the identities of strategies known to fail (after an
-    out-of-memory failure: ``Strategy.identity``)."""
+    out-of-memory failure: ``Strategy.identity``). ``model``: the model as its profile describes it
+    (``memfit.profiled_model``), else the sizes ``spec.model.architecture`` types (:func:`planned_model`)."""
     started = time.perf_counter()
     capacities = selected_pools(spec, pools)
-    search = _search(spec, capacities, exclude)
+    search = _search(spec, capacities, exclude, planned_model(spec, model))
     fits = ranked(search.fits)
     candidates = [to_candidate(search.shape, fit) for fit in reported(fits)]
     nearest = nearest_first(list(search.nearest_misses.values()))[:MAX_REJECTED]
@@ -196,12 +202,38 @@ def plan_job(spec: FineTuneJobSpec, pools: Sequence[GPUPool], exclude: Collectio
         rejected=[miss.candidate for miss in misses],
         planning_seconds=round(time.perf_counter() - started, 6),
         advice=advice,
+        model_parameters=search.shape.parameter_count,
+        model_basis=search.shape.basis,
     )
 
 
-def best_plan(spec: FineTuneJobSpec, pools: Sequence[GPUPool]) -> PlanCandidate | None:
+def planned_model(spec: FineTuneJobSpec, model: PlannedModel | None) -> PlannedModel:
+    """``model`` (a profile's) if given, else the typed sizes; PlanningError when the job gives neither, or pins
+    what the model's description cannot estimate, or LoRA targets peft cannot build on it."""
+    if model is None:
+        architecture = spec.model.architecture
+        if architecture is None:
+            raise PlanningError(
+                "spec.model.architecture is not given: memfit plans such a model from its config.json "
+                "(memfit plan --mount CLAIM=DIR, with the model's claim mounted)"
+            )
+        model = architecture.planned()
+    pinned = frozenset(technique.knob for technique in TECHNIQUES if getattr(spec.strategy, technique.knob))
+    precision = Precision.BF16 if spec.training.precision is Precision.AUTO else spec.training.precision
+    problem = model.unplannable(precision, spec.strategy.attention, pinned)
+    if problem is None:
+        dropout = 0 if spec.method is Method.FULL else spec.lora.dropout
+        problem = adapter_problem(model, tuple(spec.lora.target_modules), dropout)
+    if problem is not None:
+        raise PlanningError(problem)
+    return model
+
+
+def best_plan(
+    spec: FineTuneJobSpec, pools: Sequence[GPUPool], model: PlannedModel | None = None
+) -> PlanCandidate | None:
     """The plan ``plan_job`` would choose, without the report around it (no misses, no advice)."""
-    search = _search(spec, selected_pools(spec, pools), ())
+    search = _search(spec, selected_pools(spec, pools), (), planned_model(spec, model))
     fits = ranked(search.fits)
     return to_candidate(search.shape, fits[0]) if fits else None
 
@@ -219,10 +251,11 @@ def selected_pools(spec: FineTuneJobSpec, pools: Sequence[GPUPool]) -> list[Pool
     return selected
 
 
-def _search(spec: FineTuneJobSpec, capacities: list[PoolCapacity], exclude: Collection[str]) -> _Search:
+def _search(
+    spec: FineTuneJobSpec, capacities: list[PoolCapacity], exclude: Collection[str], shape: PlannedModel
+) -> _Search:
     """Search every method on every pool. Master weights stay fp32 unless the spec pins them: bf16 masters
     change the numerics, so they are planned only where no plan fits with fp32 masters."""
-    shape = spec.model.architecture.shape()
     lora = LoraSettings.of(spec.lora)
     pinned = spec.strategy.master_weights
     masters = pinned or MasterWeights.FP32
@@ -356,7 +389,7 @@ def _search_pool(search: _Search, capacity: PoolCapacity, method: PlannedMethod)
     if not precisions:
         return
     limit = int(capacity.gpu_memory_bytes * (1 - spec.resources.memory_headroom_percent / 100))
-    attention = spec.strategy.attention or Attention.SDPA
+    attention = spec.strategy.attention or search.shape.default_attention
     pinned_ckpt = spec.strategy.gradient_checkpointing
     checkpointing = [pinned_ckpt] if pinned_ckpt is not None else [False, True]
     engines = [spec.strategy.engine] if spec.strategy.engine is not None else [Engine.FSDP2, Engine.DEEPSPEED]
@@ -404,17 +437,18 @@ def _search_pool(search: _Search, capacity: PoolCapacity, method: PlannedMethod)
         search.untried.add(Untried(pool=capacity.name, method=None, cause=Untried.no_layout(spec)))
 
 
-def _technique_variants(spec: FineTuneJobSpec, knobs: Knobs) -> list[Variant]:
+def _technique_variants(spec: FineTuneJobSpec, knobs: Knobs, model: PlannedModel) -> list[Variant]:
     """Combinations of the memory-saving techniques (each the pinned value, or off then on) that the rule
     table allows with ``knobs``, cheapest first: the costliest technique varies slowest (activation
     offloading's PCIe copies, then the chunked loss's recomputed LM head, then the optimizer step in backward,
     which costs no time: the same work moved into the backward; accumulation 1:
-    :func:`_largest_fitting_micro_batch`)."""
+    :func:`_largest_fitting_micro_batch`). Techniques the model's description cannot estimate stay off."""
     by_cost = sorted(TECHNIQUES, key=lambda technique: technique.cost, reverse=True)
     choices = []
     for technique in by_cost:
         pinned: bool | None = getattr(spec.strategy, technique.knob)
-        choices.append([pinned] if pinned is not None else [False, True])
+        untraced = technique.knob in model.untraced_techniques
+        choices.append([pinned] if pinned is not None else [False] if untraced else [False, True])
     variants = []
     for combination in itertools.product(*choices):
         on: dict[str, Any] = dict(zip((technique.knob for technique in by_cost), combination, strict=True))

@@ -12,7 +12,7 @@ from memfit.api.gpupool import PoolCapacity
 from memfit.api.plan import PlanThroughput, Strategy
 from memfit.api.vocabulary import Method, Precision
 from memfit.memory.sizes import compute_bytes
-from memfit.model_shape import ModelShape
+from memfit.planned_model import PlannedModel
 from memfit.planner.engines import ENGINE_TRAFFIC
 
 PEAK_EFFICIENCY = 0.5
@@ -27,7 +27,7 @@ FP32_SLOWDOWN = 8.0
 """fp32 matmuls run on TF32 or plain FP32 units, roughly an order of magnitude below 16-bit peak."""
 
 
-def _training_flops_per_token(shape: ModelShape, strategy: Strategy, sequence_length: int) -> float:
+def _training_flops_per_token(shape: PlannedModel, strategy: Strategy, sequence_length: int) -> float:
     """Forward 2N + causal attention; backward 2x forward for full training, 1x when the base is
     frozen (no weight gradients); checkpointing repeats the forward; the chunked loss repeats the LM
     head's matmul in backward (2 x hidden x vocabulary per token)."""
@@ -54,19 +54,19 @@ def _collective_bandwidth(pool: PoolCapacity, strategy: Strategy) -> float:
     return min(pool.intra_node_bytes_per_second, pool.inter_node_bytes_per_second / strategy.gpus_per_node)
 
 
-def _communication_seconds(shape: ModelShape, strategy: Strategy, pool: PoolCapacity, trainable: int) -> float:
+def _communication_seconds(shape: PlannedModel, strategy: Strategy, pool: PoolCapacity, trainable: int) -> float:
     if strategy.gpus == 1:
         return 0.0
     traffic = ENGINE_TRAFFIC[strategy.engine].communication_bytes(shape, strategy, trainable)
     return traffic / _collective_bandwidth(pool, strategy)
 
 
-def _offload_seconds(shape: ModelShape, strategy: Strategy, pool: PoolCapacity, trainable: int) -> float:
+def _offload_seconds(shape: PlannedModel, strategy: Strategy, pool: PoolCapacity, trainable: int) -> float:
     return ENGINE_TRAFFIC[strategy.engine].offload_seconds(shape, strategy, pool, trainable)
 
 
 def _exposed_activation_copies(
-    shape: ModelShape, strategy: Strategy, pool: PoolCapacity, micro_tokens: int, compute_seconds: float
+    shape: PlannedModel, strategy: Strategy, pool: PoolCapacity, micro_tokens: int, compute_seconds: float
 ) -> float:
     """Activation offloading copies every checkpointed layer's input to the host and back over PCIe on a
     side stream, overlapped with compute: what the copies take beyond the compute is waited for."""
@@ -75,7 +75,7 @@ def _exposed_activation_copies(
 
 
 def estimate_throughput(
-    shape: ModelShape,
+    shape: PlannedModel,
     strategy: Strategy,
     pool: PoolCapacity,
     sequence_length: int,
@@ -87,7 +87,7 @@ def estimate_throughput(
 
 
 def step_seconds(
-    shape: ModelShape, strategy: Strategy, pool: PoolCapacity, sequence_length: int, trainable: int
+    shape: PlannedModel, strategy: Strategy, pool: PoolCapacity, sequence_length: int, trainable: int
 ) -> float:
     """Estimated seconds of one optimizer step. With the batch fixed it is shortest at the largest
     micro-batch (no accumulation): bigger micro-batches use the GPU better, and ZeRO-2/3 communicate

@@ -13,7 +13,7 @@ from memfit.api.knobs import conflicts as knob_conflicts
 from memfit.api.plan import Strategy
 from memfit.api.vocabulary import Method, Offload, Optimizer
 from memfit.contract.engines import precision_section
-from memfit.model_shape import ModelShape
+from memfit.planned_model import PlannedModel
 
 NVME_PATH = "/local_nvme"
 """Where trainer pods mount the node's NVMe for ZeRO-Infinity offload."""
@@ -29,7 +29,7 @@ built by the trainer (bitsandbytes 8-bit, transformers Adafactor) and passed in 
 BETAS = {Optimizer.ADAMW: (0.9, 0.999), Optimizer.LION: (0.9, 0.99)}
 
 
-def bucket_elements(shape: ModelShape, zero_stage: int) -> dict[str, int]:
+def bucket_elements(shape: PlannedModel, zero_stage: int) -> dict[str, int]:
     """Communication bucket sizes in elements, as Hugging Face's "auto" values size them for ZeRO-3."""
     if zero_stage in (1, 2):
         return {"reduce": STAGE12_BUCKET_ELEMENTS, "allgather": STAGE12_BUCKET_ELEMENTS}
@@ -44,14 +44,23 @@ def default_learning_rate(method: Method) -> float:
     return 2e-5 if method == Method.FULL else 2e-4
 
 
-def deepspeed_config(spec: FineTuneJobSpec, strategy: Strategy) -> dict[str, Any]:
+def typed_model(spec: FineTuneJobSpec, model: PlannedModel | None) -> PlannedModel:
+    """``model`` when given (a profile's), else the sizes the job types."""
+    if model is not None:
+        return model
+    if spec.model.architecture is None:
+        raise ValueError("the job types no spec.model.architecture: render it with the model's profile")
+    return spec.model.architecture.planned()
+
+
+def deepspeed_config(spec: FineTuneJobSpec, strategy: Strategy, model: PlannedModel | None = None) -> dict[str, Any]:
     """The DeepSpeed JSON for running ``spec`` with ``strategy``. A strategy that would not run as planned
     (``memfit.api.knobs.conflicts``: e.g. parameter offload, which DeepSpeed ignores below ZeRO-3) is an error,
     never a config: the planner does not produce one."""
     conflicts = knob_conflicts(strategy.knobs())
     if conflicts:
         raise ValueError(f"strategy {strategy.summary()!r} cannot run as planned: " + "; ".join(conflicts))
-    shape = spec.model.architecture.shape()
+    shape = typed_model(spec, model)
     training = spec.training
     config: dict[str, Any] = {
         "train_batch_size": training.global_batch_size,
@@ -86,7 +95,7 @@ def _offload(device: Offload) -> dict[str, Any]:
     return section
 
 
-def _zero_section(shape: ModelShape, strategy: Strategy) -> dict[str, Any]:
+def _zero_section(shape: PlannedModel, strategy: Strategy) -> dict[str, Any]:
     stage = strategy.zero_stage
     zero: dict[str, Any] = {"stage": stage}
     if stage == 0:

@@ -29,7 +29,8 @@ from memfit.contract.sections import (
     VolumesConfig,
 )
 from memfit.contract.trainer_config import TrainerConfig
-from memfit.render.deepspeed import deepspeed_config, default_learning_rate
+from memfit.planned_model import PlannedModel
+from memfit.render.deepspeed import deepspeed_config, default_learning_rate, typed_model
 from memfit.render.fsdp2 import fsdp2_config
 
 
@@ -74,10 +75,13 @@ def _on_claim(model: ModelSpec) -> bool:
     return model.source is not None and model.source.pvc is not None
 
 
-def model_config(model: ModelSpec, model_volume: str | None) -> ModelConfig:
+def model_config(
+    model: ModelSpec, model_volume: str | None, planned_fields: dict[str, bool | int | str] | None = None
+) -> ModelConfig:
     """The model as the trainer loads it: weights and tokenizer inside the model volume when they are on a
-    claim (mounted at ``model_volume``), else the Hub ids as given."""
-    name_or_path, tokenizer = model.name, model.tokenizer
+    claim (mounted at ``model_volume``), else the Hub ids as given; planned for the typed sizes, or for the
+    ``planned_fields`` of a profile."""
+    name_or_path, tokenizer, typed = model.name, model.tokenizer, model.architecture
     if _on_claim(model) and model_volume is not None:
         assert model.source is not None  # _on_claim
         name_or_path = inside(model_volume, model.source.path)
@@ -85,7 +89,8 @@ def model_config(model: ModelSpec, model_volume: str | None) -> ModelConfig:
     return ModelConfig(
         name_or_path=name_or_path,
         random_init=model.random_init,
-        architecture=model.architecture.shape(),
+        architecture=typed.shape() if typed is not None and typed.profiled_preset is None else None,
+        planned_fields=planned_fields,
         tokenizer=tokenizer,
     )
 
@@ -120,9 +125,12 @@ def render_trainer_config(
     mounts: Mounts = POD_MOUNTS,
     metrics: MetricsConfig | None = None,
     termination_log: str = "/dev/termination-log",
+    planned: PlannedModel | None = None,
 ) -> TrainerConfig:
+    """The trainer's config for running ``plan``; ``planned``: the profiled model the plan was made for."""
     spec, strategy = job.spec, plan.strategy
-    model = model_config(spec.model, mounts.model)
+    planned = typed_model(spec, planned)
+    model = model_config(spec.model, mounts.model, planned.planned_fields())
     model_volume = mounts.model if _on_claim(spec.model) else None
     training = spec.training
     memory = plan.memory.per_gpu
@@ -154,7 +162,7 @@ def render_trainer_config(
             lora=LoraConfig.model_validate(spec.lora.model_dump()),
         ),
         output_dir=inside(mounts.output, spec.output.path),
-        engine=DeepSpeedEngineSection(config=deepspeed_config(spec, strategy))
+        engine=DeepSpeedEngineSection(config=deepspeed_config(spec, strategy, planned))
         if strategy.engine == Engine.DEEPSPEED
         else fsdp2_config(strategy),
         prediction=PredictionConfig(

@@ -237,6 +237,18 @@ def _reject_change(run: _Pass, why: str) -> None:
 def _plan(run: _Pass, job: FineTuneJob) -> bool:
     """Plan a job that has no plan yet; False (and phase Unschedulable) when nothing fits."""
     status = run.status
+    if job.spec.model.architecture is None:
+        message = (
+            "spec.model.architecture is not given, and this operator does not profile models in the cluster yet: "
+            "give the architecture (a preset or the sizes), or plan the job offline from the model's config.json "
+            "with memfit plan --mount"
+        )
+        changed = run.condition(ConditionType.PLANNED, False, Reason.MODEL_NOT_PROFILED, message)
+        run.condition(ConditionType.READY, False, Reason.MODEL_NOT_PROFILED, message)
+        run.phase(Phase.PENDING)
+        if changed:
+            run.event("Warning", Reason.MODEL_NOT_PROFILED, message)
+        return False
     chosen: PlanCandidate | None
     try:
         result = plan_job(job.spec, run.observation.pools, exclude=status.excluded_strategies)

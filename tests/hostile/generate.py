@@ -259,7 +259,7 @@ def shape_cases() -> Iterator[Case]:
         yield job_case(f"unknown-{slug(path)}", path, 1, f"{path}: unknown field")
     for path in ("spec.typo", "spec.interconnect.typo", "spec.peakTFLOPS.fp32", "spec.gpus_per_node"):
         yield pool_case(f"pool-unknown-{slug(path)}", path, 1, f"{path}: unknown field")
-    for path in ("spec", "spec.model", "spec.dataset", "spec.output", "spec.model.architecture", "spec.model.name",
+    for path in ("spec", "spec.model", "spec.dataset", "spec.output", "spec.model.name",
                  "spec.output.pvc", "spec.dataset.source"):  # fmt: skip
         yield job_case(f"missing-{slug(path)}", path, _MISSING, f"{path}: required field is missing")
     for path in ("metadata", "metadata.name"):

@@ -1031,6 +1031,19 @@ def test_a_job_too_large_for_the_pools_is_unschedulable() -> None:
     assert "nothing fits" in cluster.condition("Planned")["message"]
 
 
+def test_a_job_without_typed_sizes_waits_for_profiling_with_a_condition_and_an_event() -> None:
+    document = job_document()
+    del document["spec"]["model"]["architecture"]
+    cluster = FakeCluster(document)
+    decision = cluster.step()
+    assert decision.status.phase is Phase.PENDING and decision.status.plan is None and decision.create == []
+    planned = cluster.condition("Planned")
+    assert (planned["status"], planned["reason"]) == ("False", "ModelNotProfiled")
+    assert "spec.model.architecture is not given" in planned["message"]
+    assert reasons(decision.events) == [("Warning", "ModelNotProfiled")]
+    assert quiet(cluster.step())
+
+
 def test_a_job_naming_a_missing_pool_is_unschedulable() -> None:
     cluster = FakeCluster(job_document(resources={"pool": "h100"}))
     decision = cluster.step()

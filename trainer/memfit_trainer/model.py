@@ -20,7 +20,7 @@ import torch
 
 from memfit.api.vocabulary import Attention, Engine, Method, Precision
 from memfit.contract.engines import DeepSpeedEngineSection
-from memfit.contract.model_match import shape_mismatch
+from memfit.contract.model_match import fields_mismatch, shape_mismatch
 from memfit.contract.reader import ConfigError
 from memfit.contract.sections import ModelConfig
 from memfit.contract.trainer_config import TrainerConfig
@@ -225,11 +225,15 @@ def check_planned_shape(model_config: ModelConfig, loaded: Any = None) -> None:
     """ConfigError (exit 2) when the model to load is not the shape the plan was made for: its config, as
     ``transformers`` resolves it (class defaults filled in; ``loaded`` where already read), is compared
     before any weights load. A config without a typed architecture plans no shape: nothing to compare."""
-    if model_config.random_init or model_config.architecture is None:
+    if model_config.random_init or (model_config.architecture is None and model_config.planned_fields is None):
         return
     if loaded is None:
         loaded = pretrained_config(model_config)
-    problem = shape_mismatch(model_config.architecture, loaded.to_dict(), model_config.name_or_path)
+    if model_config.planned_fields is not None:
+        problem = fields_mismatch(model_config.planned_fields, loaded.to_dict(), model_config.name_or_path)
+    else:
+        assert model_config.architecture is not None
+        problem = shape_mismatch(model_config.architecture, loaded.to_dict(), model_config.name_or_path)
     if problem is not None:
         raise ConfigError(problem)
 

@@ -126,7 +126,7 @@ def _model_problem(config: TrainerConfig) -> str | None:
         return None
     if volumes is not None and volumes.model is not None and _escape(name, volumes.model) is not None:
         return None  # reported as leading outside its volume; nothing is read there
-    return model_directory_problem(name, model.architecture) or _model_class_problem(config)
+    return model_directory_problem(name, model.architecture, model.planned_fields) or _model_class_problem(config)
 
 
 def _model_class_problem(config: TrainerConfig) -> str | None:

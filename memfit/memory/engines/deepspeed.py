@@ -51,11 +51,11 @@ from memfit.memory.states import (
     optimizer_state_bytes,
     trainable_split,
 )
-from memfit.model_shape import ModelShape
+from memfit.planned_model import PlannedModel
 from memfit.render.deepspeed import bucket_elements
 
 
-def zero3_working_set(shape: ModelShape) -> int:
+def zero3_working_set(shape: PlannedModel) -> int:
     """Parameters a ZeRO-3 rank holds gathered at once: the module being computed (the embedding or
     LM head can be the largest) plus the next layer prefetched, plus the small persistent ones."""
     return shape.largest_layer_parameters + shape.layer_parameters + shape.norm_parameters
@@ -70,7 +70,7 @@ def master_bytes(setup: StaticSetup) -> int:
     return FP32
 
 
-def bf16_step_transient(shape: ModelShape, setup: StaticSetup, adapters: Adapters) -> float:
+def bf16_step_transient(shape: PlannedModel, setup: StaticSetup, adapters: Adapters) -> float:
     """What exists only during the optimizer step with bf16 masters, beyond gradients, masters and states.
 
     ZeRO 1-3 flatten the rank's gradient partition for the optimizer (bf16: ``.to(master dtype)`` then copies
@@ -98,7 +98,7 @@ def bf16_step_transient(shape: ModelShape, setup: StaticSetup, adapters: Adapter
     return max((BF16 + upcasts) * partition, FP64 * piece)
 
 
-def zero_model_states(shape: ModelShape, setup: StaticSetup, adapters: Adapters) -> ModelStates:
+def zero_model_states(shape: PlannedModel, setup: StaticSetup, adapters: Adapters) -> ModelStates:
     """Weights, gradients and optimizer states of one rank under ZeRO."""
     split = trainable_split(shape, setup.method, adapters)
     n = setup.gpus
@@ -176,7 +176,7 @@ DDP_ALLREDUCE_ELEMENTS = 500_000_000
 """ZeRO-0: DeepSpeed all-reduces gradients in flattened buckets of up to 5e8 elements."""
 
 
-def communication_buffer_bytes(shape: ModelShape, setup: StaticSetup, trainable: int) -> int:
+def communication_buffer_bytes(shape: PlannedModel, setup: StaticSetup, trainable: int) -> int:
     """Gradient and parameter buckets DeepSpeed allocates for collective communication."""
     if setup.gpus == 1:
         return 0
@@ -202,7 +202,7 @@ class GradientTimeline:
     alive together."""
 
 
-def gradient_timeline(shape: ModelShape, method: Method, precision: Precision) -> GradientTimeline:
+def gradient_timeline(shape: PlannedModel, method: Method, precision: Precision) -> GradientTimeline:
     if method != Method.FULL:
         return GradientTimeline(0, 0, 0)
     w = compute_bytes(precision)
@@ -262,13 +262,13 @@ class ZeroForwardBackward:
 class DeepSpeedMemory:
     """:class:`memfit.memory.engine.EngineMemory` of DeepSpeed ZeRO."""
 
-    def model_states(self, shape: ModelShape, setup: StaticSetup, adapters: Adapters) -> ModelStates:
+    def model_states(self, shape: PlannedModel, setup: StaticSetup, adapters: Adapters) -> ModelStates:
         return zero_model_states(shape, setup, adapters)
 
-    def communication_buffers(self, shape: ModelShape, setup: StaticSetup, trainable: int) -> int:
+    def communication_buffers(self, shape: PlannedModel, setup: StaticSetup, trainable: int) -> int:
         return communication_buffer_bytes(shape, setup, trainable)
 
-    def loaded_on_host(self, shape: ModelShape, setup: StaticSetup) -> int:
+    def loaded_on_host(self, shape: PlannedModel, setup: StaticSetup) -> int:
         """ZeRO-3 builds the model already partitioned and QLoRA quantizes shard by shard straight onto the
         GPU: neither holds the whole model on the host. Otherwise every rank loads the 16-bit model into host
         memory first."""
@@ -281,6 +281,6 @@ class DeepSpeedMemory:
         return setup.zero_stage >= 2
 
     def forward_backward(
-        self, shape: ModelShape, setup: StaticSetup, adapters: Adapters, states: ModelStates
+        self, shape: PlannedModel, setup: StaticSetup, adapters: Adapters, states: ModelStates
     ) -> ZeroForwardBackward:
         return ZeroForwardBackward(states.gradients, gradient_timeline(shape, setup.method, setup.precision))

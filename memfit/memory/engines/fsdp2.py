@@ -85,7 +85,7 @@ from memfit.memory.sizes import (
     nf4_quant_state_bytes,
 )
 from memfit.memory.states import ELEMENTWISE_STATES, ModelStates, optimizer_state_bytes, trainable_split
-from memfit.model_shape import ModelShape
+from memfit.planned_model import PlannedModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +128,7 @@ class Fsdp2Groups:
     layers: int
 
 
-def fsdp2_groups(shape: ModelShape, method: Method, adapters: Adapters) -> Fsdp2Groups:
+def fsdp2_groups(shape: PlannedModel, method: Method, adapters: Adapters) -> Fsdp2Groups:
     root = (
         shape.embedding_parameters + shape.hidden_size + (0 if shape.tie_word_embeddings else shape.lm_head_parameters)
     )
@@ -145,12 +145,11 @@ def packed_bytes(quantized: int) -> int:
     return int(quantized * NF4_PACKED_BYTES_PER_PARAMETER)
 
 
-def replicated_quant_states(shape: ModelShape, method: Method) -> int:
+def replicated_quant_states(shape: PlannedModel, method: Method) -> int:
     """QLoRA: the quant states of every 4-bit weight, which each rank keeps whole (module docstring)."""
     if method != Method.QLORA:
         return 0
-    per_layer = sum(m.count * nf4_quant_state_bytes(m.in_features * m.out_features) for m in shape.quantizable_linears)
-    return shape.num_layers * per_layer
+    return sum(count * nf4_quant_state_bytes(elements) for elements, count in shape.quantized_tensors())
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,7 +259,7 @@ class Fsdp2Step:
         return self.binding(activations, grads_persist).total
 
 
-def fsdp2_step(shape: ModelShape, setup: StaticSetup, adapters: Adapters) -> Fsdp2Step:
+def fsdp2_step(shape: PlannedModel, setup: StaticSetup, adapters: Adapters) -> Fsdp2Step:
     """The buffers of :class:`Fsdp2Step` for ``setup`` (module docstring for the torch code)."""
     g = fsdp2_groups(shape, setup.method, adapters)
     w = fsdp2_widths(setup.precision, setup.master_weights)
@@ -288,7 +287,7 @@ def fsdp2_step(shape: ModelShape, setup: StaticSetup, adapters: Adapters) -> Fsd
     )
 
 
-def fsdp2_model_states(shape: ModelShape, setup: StaticSetup, adapters: Adapters) -> ModelStates:
+def fsdp2_model_states(shape: PlannedModel, setup: StaticSetup, adapters: Adapters) -> ModelStates:
     """One rank's sharded parameters, gradients (all of them, as in the optimizer step; with the step in
     backward one group's) and optimizer states; with ``CPUOffloadPolicy`` all three on the host. The gathered
     working set is in :meth:`Fsdp2Step.moments`."""
@@ -322,15 +321,15 @@ def fsdp2_model_states(shape: ModelShape, setup: StaticSetup, adapters: Adapters
 class Fsdp2Memory:
     """:class:`memfit.memory.engine.EngineMemory` of PyTorch FSDP2."""
 
-    def model_states(self, shape: ModelShape, setup: StaticSetup, adapters: Adapters) -> ModelStates:
+    def model_states(self, shape: PlannedModel, setup: StaticSetup, adapters: Adapters) -> ModelStates:
         return fsdp2_model_states(shape, setup, adapters)
 
-    def communication_buffers(self, shape: ModelShape, setup: StaticSetup, trainable: int) -> int:
+    def communication_buffers(self, shape: PlannedModel, setup: StaticSetup, trainable: int) -> int:
         """No buckets: the all-gather and reduce-scatter buffers are counted where they are alive
         (:class:`Fsdp2Step`)."""
         return 0
 
-    def loaded_on_host(self, shape: ModelShape, setup: StaticSetup) -> int:
+    def loaded_on_host(self, shape: PlannedModel, setup: StaticSetup) -> int:
         """Every rank loads the 16-bit model into host memory first; QLoRA's rank builds its 4-bit model there
         (packed weights, quant states, the rest in bf16) and ``fully_shard`` moves it to the GPU layer by
         layer."""
@@ -344,6 +343,6 @@ class Fsdp2Memory:
         return False
 
     def forward_backward(
-        self, shape: ModelShape, setup: StaticSetup, adapters: Adapters, states: ModelStates
+        self, shape: PlannedModel, setup: StaticSetup, adapters: Adapters, states: ModelStates
     ) -> Fsdp2Step:
         return fsdp2_step(shape, setup, adapters)

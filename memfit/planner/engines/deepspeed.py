@@ -7,14 +7,14 @@ from memfit.api.gpupool import PoolCapacity
 from memfit.api.plan import Strategy
 from memfit.api.vocabulary import Method, Offload
 from memfit.memory.sizes import compute_bytes
-from memfit.model_shape import ModelShape
+from memfit.planned_model import PlannedModel
 from memfit.planner.engine import CPU_ADAM_PARAMS_PER_SECOND_PER_NODE
 
 
 class DeepSpeedTraffic:
     """:class:`memfit.planner.engine.EngineTraffic` of DeepSpeed ZeRO."""
 
-    def communication_bytes(self, shape: ModelShape, strategy: Strategy, trainable: int) -> float:
+    def communication_bytes(self, shape: PlannedModel, strategy: Strategy, trainable: int) -> float:
         n = strategy.gpus
         # ZeRO-3 also gathers the frozen base
         frozen_16bit = shape.parameter_count if strategy.method == Method.LORA else 0
@@ -30,7 +30,7 @@ class DeepSpeedTraffic:
             gathers = passes * ring * (trainable + frozen_16bit) * w * accumulation
         return grads + gathers
 
-    def offload_seconds(self, shape: ModelShape, strategy: Strategy, pool: PoolCapacity, trainable: int) -> float:
+    def offload_seconds(self, shape: PlannedModel, strategy: Strategy, pool: PoolCapacity, trainable: int) -> float:
         n, per_node = strategy.gpus, strategy.gpus_per_node
         shard = trainable / n
         seconds = 0.0

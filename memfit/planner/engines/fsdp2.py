@@ -7,7 +7,7 @@ from memfit.api.gpupool import PoolCapacity
 from memfit.api.plan import Strategy
 from memfit.api.vocabulary import Method, Offload
 from memfit.memory.engines.fsdp2 import fsdp2_widths
-from memfit.model_shape import ModelShape
+from memfit.planned_model import PlannedModel
 from memfit.planner.engine import CPU_ADAM_PARAMS_PER_SECOND_PER_NODE
 
 
@@ -18,7 +18,7 @@ def _gathers(strategy: Strategy) -> int:
     return 2 if strategy.zero_stage == 3 else 1
 
 
-def fsdp2_communication_bytes(shape: ModelShape, strategy: Strategy, trainable: int) -> float:
+def fsdp2_communication_bytes(shape: PlannedModel, strategy: Strategy, trainable: int) -> float:
     """Bytes each rank moves per optimizer step under FSDP2: every micro-batch all-gathers all parameters
     (frozen ones too) in the gathered dtype and reduce-scatters the trained ones' gradients in
     ``reduce_dtype`` (no ``no_sync``: gradients are reduced every micro-batch), each a ring's (n-1)/n."""
@@ -29,7 +29,7 @@ def fsdp2_communication_bytes(shape: ModelShape, strategy: Strategy, trainable: 
     return (n - 1) / n * per_micro * strategy.gradient_accumulation_steps
 
 
-def fsdp2_offload_seconds(shape: ModelShape, strategy: Strategy, pool: PoolCapacity, trainable: int) -> float:
+def fsdp2_offload_seconds(shape: PlannedModel, strategy: Strategy, pool: PoolCapacity, trainable: int) -> float:
     """CPUOffloadPolicy: each all-gather copies the rank's parameter shards host-to-device, each reduced
     gradient shard goes device-to-host, every micro-batch; the optimizer steps the shards on the CPU."""
     n, per_node = strategy.gpus, strategy.gpus_per_node
@@ -43,10 +43,10 @@ def fsdp2_offload_seconds(shape: ModelShape, strategy: Strategy, pool: PoolCapac
 class Fsdp2Traffic:
     """:class:`memfit.planner.engine.EngineTraffic` of PyTorch FSDP2."""
 
-    def communication_bytes(self, shape: ModelShape, strategy: Strategy, trainable: int) -> float:
+    def communication_bytes(self, shape: PlannedModel, strategy: Strategy, trainable: int) -> float:
         return fsdp2_communication_bytes(shape, strategy, trainable)
 
-    def offload_seconds(self, shape: ModelShape, strategy: Strategy, pool: PoolCapacity, trainable: int) -> float:
+    def offload_seconds(self, shape: PlannedModel, strategy: Strategy, pool: PoolCapacity, trainable: int) -> float:
         if strategy.offload_parameters == Offload.NONE:
             return 0.0
         return fsdp2_offload_seconds(shape, strategy, pool, trainable)
