@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 from memfit.catalog.model_configs import stored_config_names, stored_config_path
 from memfit.cli.main import main
 from memfit.profile import ModelProfile, Role
-from memfit_trainer.profile import build_meta_model, profile, read_config
+from memfit_trainer.profile import attention_widths, build_meta_model, profile, read_config
 
 SMALL = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256}
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
@@ -97,6 +98,8 @@ STORED_TOTALS = {
     "qwen3.5-35b-a3b": 34_660_610_688,
 }
 """What transformers builds from each stored config.json (see memfit/catalog/configs/README.md)."""
+STORED_WIDTHS = {"qwen3-8b": (32, 8, 128), "qwen3.5-27b": (24, 4, 256), "gemma-4-31b": (32, 4, 512)}
+"""Attention heads, key-value heads and head width of some stored configs (their text configs)."""
 SLOW_TO_BUILD = {"qwen3-30b-a3b"}
 """Over 2 s on 2 cores: 48 layers of 128 fused experts for peft to wrap."""
 
@@ -246,6 +249,31 @@ def test_stored_configs_build_to_their_golden_totals(name: str) -> None:
     quantized = sum(group.numel for group in result.tensors if group.quantizable)
     assert 0 < quantized == result.quantizable_parameters < result.total_parameters
     assert all(not group.quantizable for group in result.tensors if group.role is Role.EXPERTS)
+    widths = (result.num_attention_heads, result.num_key_value_heads, result.head_dim)
+    assert widths == STORED_WIDTHS.get(name, widths) and result.num_attention_heads % result.num_key_value_heads == 0
+
+
+def test_attention_widths_are_the_full_attention_layers(profiles: dict[str, ModelProfile]) -> None:
+    """Gemma 4's full-attention layers are wider (``global_head_dim``) than its sliding ones."""
+    for family, result in profiles.items():
+        head_dim = TINY_CONFIGS[family].get("global_head_dim", SMALL["head_dim"])
+        assert (result.num_attention_heads, result.num_key_value_heads, result.head_dim) == (4, 2, head_dim)
+
+
+def test_head_width_defaults_to_the_hidden_size_over_the_heads() -> None:
+    text = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_key_value_heads=None, head_dim=None)
+    assert attention_widths(text) == {"num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16}
+    assert attention_widths(SimpleNamespace(hidden_size=64, num_attention_heads=4))["head_dim"] == 16
+
+
+@pytest.mark.slow
+def test_activations_are_traced_for_full_and_lora_when_asked() -> None:
+    result = profile(tiny("qwen3"), activations=True)
+    assert result.activations is not None
+    full, lora = result.activations.full, result.activations.lora
+    assert [layer.layer_type for layer in full.layers] == [layer.layer_type for layer in lora.layers]
+    assert (result.activations.lora_rank, result.activations.lora_dropout) == (16, 0.05)
+    assert full != lora and ModelProfile.model_validate_json(result.model_dump_json()) == result
 
 
 def test_the_lm_head_stays_16_bit(profiles: dict[str, ModelProfile]) -> None:

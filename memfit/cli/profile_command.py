@@ -78,12 +78,20 @@ def _print_text(profile: ModelProfile, console: Console) -> None:
 
 
 def _activation_facts(activations: ActivationProfile) -> dict[str, str]:
-    """One line per traced term: bytes per token, per token squared (up to the window), and constant."""
-    terms = {"outside layers": activations.outside_layers}
-    for layer in activations.layers:
-        terms[f"{layer.layer_type} ({layer.attention}) saved"] = layer.saved
-        terms[f"{layer.layer_type} ({layer.attention}) backward"] = layer.backward_peak
-    return {f"activations, {name}": _term(term) for name, term in terms.items()}
+    """One line per traced term of each setup (full fine-tuning, LoRA): bytes per token, per token squared (up
+    to the window), and constant."""
+    setups = {
+        "full": activations.full,
+        f"lora r{activations.lora_rank} dropout {activations.lora_dropout:g}": activations.lora,
+    }
+    facts = {}
+    for setup, traced in setups.items():
+        terms = {"outside layers": traced.outside_layers}
+        for layer in traced.layers:
+            terms[f"{layer.layer_type} ({layer.attention}) saved"] = layer.saved
+            terms[f"{layer.layer_type} ({layer.attention}) backward"] = layer.backward_peak
+        facts.update({f"activations ({setup}), {name}": _term(term) for name, term in terms.items()})
+    return facts
 
 
 def _term(term: ActivationTerm) -> str:

@@ -3,12 +3,23 @@
 No per-family formula exists for layers like Gated-DeltaNet, sliding windows with sinks, or fused experts, so
 the model's own code is run instead: a truncated copy of its text config (one decoder layer of each distinct
 type, at the real widths) trains one micro-batch of one row (bf16, forward and backward, no gradient
-checkpointing, full fine-tuning) on fake tensors while torch's MemTracker counts bytes
-(``memfit_trainer.fake_trace``). Hooks on each decoder layer read what the layer leaves alive at the end of its
-forward and the most its backward adds above what was alive when that backward started. The traces at
-several token counts are solved exactly for ``a·T + b·T² + c`` (``T·min(T, window)`` where a sliding window
-bounds the quadratic term; past the window for a term that appears only there) and every further count is
-checked to the byte; no factor is fitted. A term that no such form reproduces keeps its measured points.
+checkpointing) on fake tensors while torch's MemTracker counts bytes (``memfit_trainer.fake_trace``). The row
+is packed as the trainer packs it (``memfit_trainer.data.model_inputs``): two documents, ``position_ids``
+restarting at the second and no ``attention_mask``, from which ``transformers`` builds its block-diagonal
+attention mask for sdpa and eager (``masking_utils.find_packed_sequence_indices``; on fake tensors it cannot
+read the positions and always builds it, as a real packed row makes it), so the mask and whatever the layers
+derive from it are traced with the rest (SDPA keeps a bf16 copy of it in every layer, and without native GQA
+keys and values repeated to every head; the bool mask itself is gone when the forward ends). Two setups are
+traced (:class:`Setup`): full fine-tuning, and LoRA as the trainer builds it
+(``memfit_trainer.model.with_adapters``: the base frozen, adapters in bf16) with memfit's default adapters
+(``all-linear``, rank 16, dropout 0.05; no dropout where peft adapts fused experts or a router in place, which
+refuse it), the embedding's output made to require grad so that each traced layer keeps what a layer deeper in
+the stack keeps (a frozen model's first layer keeps less: it is counted high). Hooks on each decoder layer
+read what the layer leaves alive at the end of its forward and the most its backward adds above what was
+alive when that backward started. The traces at several token counts are solved exactly for ``a·T + b·T² + c``
+(``T·min(T, window)`` where a sliding window bounds the quadratic term; past the window for a term that
+appears only there) and every further count is checked to the byte; no factor is fitted. A term that no such
+form reproduces keeps its measured points.
 """
 
 from __future__ import annotations
@@ -19,13 +30,30 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from memfit.profile import ActivationProfile, ActivationTerm, LayerActivations
+from memfit.contract.sections import LoraConfig
+from memfit.profile import ActivationProfile, ActivationTerm, ActivationTerms, LayerActivations
 
 DEFAULT_TOKENS = (256, 512, 1024, 2048)
 """Token counts traced for every model: three to solve for and one to check."""
 DTYPE = "bfloat16"
 FULL_ATTENTION = "full_attention"
+DEFAULT_LORA = LoraConfig()
+"""memfit's default adapters (a job's ``lora`` section left out): ``all-linear``, rank 16, dropout 0.05."""
 Coefficients = tuple[Fraction, Fraction, Fraction]
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a trace trains, and on what row."""
+
+    lora: LoraConfig | None = None
+    """The adapters trained over a frozen base, or None: full fine-tuning."""
+    packed: bool = True
+    """Two documents packed in the row (the trainer's packing); False: one document and no attention mask at all
+    (an unpadded, unpacked row: SDPA's ``is_causal`` path)."""
+
+
+FULL = Setup()
 
 
 @dataclass(frozen=True)
@@ -89,31 +117,78 @@ def attention_kernel(text: Any) -> str:
     return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
 
 
-def trace(text: Any, layer_types: Sequence[str], tokens: int, attention: str) -> Trace:
-    """Train one row of ``tokens`` tokens through a copy of the model with these decoder layers, on fake tensors."""
+def meta_model(text: Any, layer_types: Sequence[str], attention: str, setup: Setup) -> Any:
+    """The model a trace trains, on the meta device in bf16 and in training mode: the truncated copy, wrapped
+    with the setup's adapters as the trainer wraps it (peft creates them on the base layers' meta device)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from memfit_trainer.fake_trace import PhaseMemTracker, categories_of, fake_run, fake_weights, transient
+    from memfit_trainer.model import with_adapters
 
     auto_model: Any = AutoModelForCausalLM  # untyped classmethods
     with torch.device("meta"):
         model = auto_model.from_config(
             truncated(text, layer_types), attn_implementation=attention, dtype=torch.bfloat16
         )
+    if setup.lora is not None:
+        # Over a frozen embedding the first layer's input needs no gradient, and that layer keeps less for
+        # backward than the others: making it need one (as with gradient checkpointing) traces every layer
+        # as one deeper in the stack (a whole model's first layer is then counted high, never low).
+        model.enable_input_require_grads()
+        model = with_adapters(model, setup.lora, torch.bfloat16, gradient_checkpointing=False)
     model.train()
+    return model
+
+
+def lora_of(text: Any, layer_types: Sequence[str], attention: str, lora: LoraConfig = DEFAULT_LORA) -> LoraConfig:
+    """``lora``, without dropout where peft adapts some target in place (``ParamWrapper``: fused experts, a
+    router parameter), which refuses dropout: what a job may train (``FineTuneJob`` refuses the dropout there)."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    if not lora.dropout:
+        return lora
+    undropped = lora.model_copy(update={"dropout": 0.0})
+    model = meta_model(text, layer_types, attention, Setup(lora=undropped))
+    return undropped if any(isinstance(module, ParamWrapper) for module in model.modules()) else lora
+
+
+def training_row(tokens: int, vocab_size: int, packed: bool) -> dict[str, Any]:
+    """The model's inputs for one row of ``tokens`` random tokens; packed as the trainer packs two documents
+    (``memfit_trainer.data.model_inputs``: ids, labels and restarting ``position_ids``), else ids and labels."""
+    import torch
+
+    from memfit_trainer.blocks import pack
+    from memfit_trainer.chat import Tokens
+    from memfit_trainer.data import model_inputs
+
+    ids = torch.randint(0, vocab_size, (tokens,)).tolist()
+    if not packed:
+        row = torch.tensor([ids])
+        return {"input_ids": row, "labels": row}
+    half = tokens // 2
+    documents = [Tokens(ids[:half], [True] * half), Tokens(ids[half:], [True] * (tokens - half))]
+    (block,) = pack(documents, tokens)
+    return model_inputs(block[None], packing=True)
+
+
+def trace(text: Any, layer_types: Sequence[str], tokens: int, attention: str, setup: Setup = FULL) -> Trace:
+    """Train one row of ``tokens`` tokens through a copy of the model with these decoder layers, on fake tensors."""
+    from memfit_trainer.fake_trace import PhaseMemTracker, categories_of, fake_run, fake_weights, transient
+
+    model = meta_model(text, layer_types, attention, setup)
     layers = list(model.get_decoder().layers)
-    ids = torch.randint(0, int(text.vocab_size), (1, tokens))
-    with fake_run("implicit") as mode:
+    row = training_row(tokens, int(text.vocab_size), setup.packed)
+    # Packed: the explicit mask transformers builds for the restarting positions; else none (is_causal).
+    with fake_run("explicit" if setup.packed else "implicit") as mode:
         fake_weights(model)
-        fake_ids = mode.from_tensor(ids)
+        inputs = {name: mode.from_tensor(tensor) for name, tensor in row.items()}
         tracker = PhaseMemTracker()
         tracker.track_external(model)
         marks = _LayerMarks(tracker, len(layers), lambda: transient(categories_of(tracker.get_tracker_snapshot())))
         handles = [marks.hook(index, layer) for index, layer in enumerate(layers)]
         try:
             with tracker:
-                loss = model(input_ids=fake_ids, labels=fake_ids).loss
+                loss = model(**inputs).loss
                 forward_end = marks.now()
                 loss.backward()
                 del loss
@@ -233,22 +308,41 @@ def token_counts(window: int | None) -> tuple[int, ...]:
 
 
 def activation_profile(config: dict[str, Any], tokens: Sequence[int] | None = None) -> ActivationProfile:
-    """Trace one layer of each type at each token count and solve every term exactly."""
+    """Trace one layer of each type at each token count, full and LoRA, and solve every term exactly."""
     text = text_config(config)
     kinds = distinct_layer_types(text)
     window = getattr(text, "sliding_window", None) if any("sliding" in kind for kind in kinds) else None
     attention = attention_kernel(text)
-    traces = [trace(text, kinds, count, attention) for count in (tokens or token_counts(window))]
+    counts = tuple(tokens or token_counts(window))
+    lora = lora_of(text, kinds, attention)
+    full_terms, lora_terms = (
+        activation_terms(text, kinds, attention, counts, setup, window) for setup in (FULL, Setup(lora=lora))
+    )
+    return ActivationProfile(
+        dtype=DTYPE,
+        micro_batch=1,
+        attention=attention,
+        full=full_terms,
+        lora=lora_terms,
+        lora_rank=lora.rank,
+        lora_dropout=lora.dropout,
+    )
+
+
+def activation_terms(
+    text: Any,
+    kinds: Sequence[str],
+    attention: str,
+    counts: Sequence[int],
+    setup: Setup,
+    window: int | None = None,
+) -> ActivationTerms:
+    """The terms of one setup: a trace per token count, each term solved exactly over them."""
+    traces = [trace(text, kinds, count, attention, setup) for count in counts]
     layers = []
     for index, kind in enumerate(kinds):
         windowed = window if "sliding" in kind else None
         saved = solve([(t.tokens, t.layers[index].saved) for t in traces], windowed)
         peak = solve([(t.tokens, t.layers[index].backward_peak) for t in traces], windowed)
         layers.append(LayerActivations(layer_type=kind, attention=attention, saved=saved, backward_peak=peak))
-    return ActivationProfile(
-        dtype=DTYPE,
-        micro_batch=1,
-        attention=attention,
-        outside_layers=solve([(t.tokens, t.outside_layers) for t in traces]),
-        layers=tuple(layers),
-    )
+    return ActivationTerms(outside_layers=solve([(t.tokens, t.outside_layers) for t in traces]), layers=tuple(layers))

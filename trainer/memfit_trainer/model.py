@@ -22,7 +22,7 @@ from memfit.api.vocabulary import Attention, Engine, Method, Precision
 from memfit.contract.engines import DeepSpeedEngineSection
 from memfit.contract.model_match import fields_mismatch, shape_mismatch
 from memfit.contract.reader import ConfigError
-from memfit.contract.sections import ModelConfig
+from memfit.contract.sections import LoraConfig, ModelConfig
 from memfit.contract.trainer_config import TrainerConfig
 from memfit_trainer.hf_config import transformers_config
 from memfit_trainer.tokenizer import model_tokenizer
@@ -238,13 +238,13 @@ def check_planned_shape(model_config: ModelConfig, loaded: Any = None) -> None:
         raise ConfigError(problem)
 
 
-def _lora_config(config: TrainerConfig) -> Any:
-    from peft import LoraConfig
+def peft_lora_config(lora: LoraConfig) -> Any:
+    """peft's ``LoraConfig`` for the config's ``training.lora`` section (causal-LM adapters)."""
+    from peft import LoraConfig as PeftLoraConfig
 
-    lora = config.training.lora
     targets: str | list[str] = "all-linear" if lora.target_modules == ["all-linear"] else list(lora.target_modules)
     # peft annotates lora_alpha as int, but it only divides it by r: a float alpha is used as given.
-    return LoraConfig(
+    return PeftLoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,  # type: ignore[arg-type]
         lora_dropout=lora.dropout,
@@ -276,15 +276,22 @@ def build_model(config: TrainerConfig, local_rank: int = 0) -> BuiltModel:
         if training.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=CHECKPOINTING)
         return BuiltModel(model=model, tokenizer=tokenizer, zero3_context=zero3_context)
-    from peft import get_peft_model
-
-    model = get_peft_model(prepare_adapter_base(model, training.gradient_checkpointing), _lora_config(config))
-    cast_trainable(model, DTYPES[training.precision])
+    model = with_adapters(model, training.lora, DTYPES[training.precision], training.gradient_checkpointing)
     return BuiltModel(model=model, tokenizer=tokenizer, zero3_context=zero3_context)
 
 
 CHECKPOINTING = {"use_reentrant": False}
 """Non-reentrant activation checkpointing (what the activation model counts)."""
+
+
+def with_adapters(model: Any, lora: LoraConfig, dtype: torch.dtype, gradient_checkpointing: bool) -> Any:
+    """The peft model of LoRA's adapters on ``model``: its base frozen (:func:`prepare_adapter_base`), the adapters
+    in ``dtype`` (:func:`cast_trainable`). Also what the activation profiler traces (on a meta-device model)."""
+    from peft import get_peft_model
+
+    wrapped = get_peft_model(prepare_adapter_base(model, gradient_checkpointing), peft_lora_config(lora))
+    cast_trainable(wrapped, dtype)
+    return wrapped
 
 
 def prepare_adapter_base(model: Any, gradient_checkpointing: bool) -> Any:

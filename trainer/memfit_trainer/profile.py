@@ -252,6 +252,25 @@ def experts_of(text_config: Any, model: Any, prefix: str) -> Experts | None:
     return Experts(num_experts=count, experts_per_token=per_token, layers=tuple(sorted(routed))) if routed else None
 
 
+def attention_widths(text_config: Any, layer_types: Sequence[str] = ()) -> dict[str, int]:
+    """Heads, key-value heads and head width of the text config's full-attention layers (``head_dim`` where it
+    names one, else ``hidden_size // num_attention_heads``; key-value heads default to the heads, as without
+    GQA). A config whose layers differ (Gemma 4's wider full-attention heads) is read at its first
+    full-attention layer (``per_layer_config``), or its first layer where none is."""
+    per_layer = getattr(text_config, "per_layer_config", None)
+    source = text_config
+    if per_layer:
+        source = per_layer[list(layer_types).index(FULL_ATTENTION) if FULL_ATTENTION in layer_types else 0]
+    heads = int(source.num_attention_heads)
+    kv_heads = getattr(source, "num_key_value_heads", None)
+    head_dim = getattr(source, "head_dim", None)
+    return {
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads if kv_heads is None else int(kv_heads),
+        "head_dim": int(text_config.hidden_size) // heads if head_dim is None else int(head_dim),
+    }
+
+
 def profile(
     config: dict[str, Any], lora_targets: Sequence[tuple[str, ...]] = (), activations: bool = False
 ) -> ModelProfile:
@@ -276,6 +295,7 @@ def profile(
         hidden_size=int(text.hidden_size),
         vocab_size=int(text.vocab_size),
         num_layers=num_layers,
+        **attention_widths(text, layer_types),
         layer_types=layer_types,
         sliding_window=getattr(text, "sliding_window", None) if uses_window else None,
         tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
