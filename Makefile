@@ -15,7 +15,7 @@ ENVTEST ?= ../shared/k8s/envtest-assets
 # DeepSpeed compiles its CPU ops on first use (minutes): keep them across runs.
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/memfit/torch_extensions
 
-.PHONY: setup tools test test-fast demo crds dashboards lint bench
+.PHONY: setup tools test test-fast demo profiles crds dashboards lint bench
 
 setup: $(VENV)/.installed
 
@@ -40,6 +40,15 @@ test-fast: setup tools
 
 demo: setup
 	$(VENV)/bin/memfit run examples/tiny/job.yaml --local
+
+# The profiles of the stored model configs (tests/test_stored_profiles.py fails when they drift).
+profiles: setup
+	for config in memfit/catalog/configs/*.json; do \
+		name=$$(basename $$config .json); echo "profiling $$name"; \
+		PYTHONPATH=trainer $(PY) -m memfit_trainer.profile $$config --activations -o json > memfit/catalog/profiles/$$name.tmp \
+			&& mv memfit/catalog/profiles/$$name.tmp memfit/catalog/profiles/$$name.json \
+			|| { rm -f memfit/catalog/profiles/$$name.tmp; exit 1; }; \
+	done
 
 crds: setup
 	$(PY) -c "from memfit.api.crd import ALL_CRD_FILES, crd_yaml; [open(f'crds/{n}', 'w').write(crd_yaml(g())) for n, g in ALL_CRD_FILES.items()]"

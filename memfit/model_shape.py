@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from functools import cached_property
 
-from memfit.api.vocabulary import ALL_LINEAR, Attention, Precision
+from memfit.api.vocabulary import ALL_LINEAR, Attention, Method, Precision
 from memfit.planned_model import TensorCounts, model_flops
 
 
@@ -118,6 +118,9 @@ class ModelShape:
         return f"typed sizes, counted by memfit's {self.family.value} formulas"
 
     def unplannable(self, precision: Precision, attention: Attention | None, techniques: frozenset[str]) -> str | None:
+        return None
+
+    def method_problem(self, method: Method) -> None:
         return None
 
     def __post_init__(self) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from memfit.api.vocabulary import Attention, Precision
+from memfit.api.vocabulary import Attention, Method, Precision
 
 TensorCounts = tuple[tuple[tuple[int, ...], int], ...]
 """Tensor shapes, each with how many tensors have it (the layers repeat theirs: counted, not listed)."""
@@ -40,6 +40,10 @@ class PlannedModel(Protocol):
     @property
     def default_attention(self) -> Attention:
         """The attention kernel planned unless the job pins one."""
+        ...
+
+    def method_problem(self, method: Method) -> str | None:
+        """Why ``method`` cannot train this model, or None."""
         ...
 
     def unplannable(self, precision: Precision, attention: Attention | None, techniques: frozenset[str]) -> str | None:

@@ -197,14 +197,18 @@ class ActivationProfile(_Frozen):
     attention: str
     full: ActivationTerms
     """Full fine-tuning: every parameter trained."""
-    lora: ActivationTerms
+    lora: ActivationTerms | None
     """LoRA on ``all-linear`` at rank ``lora_rank`` with dropout ``lora_dropout``, adapters in bf16 (as the
     trainer casts them): the most any LoRA target set keeps (fewer targets, or no dropout, keep less). Each
     layer is traced as one deeper in the stack (its input requiring grad); over the frozen embedding the
     model's first layer keeps less, so the terms count it high. Dropout is 0 where peft adapts fused experts
-    or a router in place (it refuses dropout there)."""
+    or a router in place (it refuses dropout there). None when the adapted model cannot train
+    (``lora_failure``)."""
     lora_rank: int = Field(ge=1)
     lora_dropout: float = Field(ge=0, lt=1)
+    lora_failure: str | None = None
+    """Why a training step of the model with peft's adapters failed (e.g. peft wrapping a module whose forward
+    returns a tuple): the planner plans no LoRA or QLoRA for it."""
 
 
 class ModelProfile(_Frozen):

@@ -14,7 +14,7 @@ import math
 from collections import Counter
 from functools import cached_property
 
-from memfit.api.vocabulary import ALL_LINEAR, Attention, Precision
+from memfit.api.vocabulary import ALL_LINEAR, Attention, Method, Precision
 from memfit.planned_model import TensorCounts, model_flops
 from memfit.profile import ActivationProfile, LoraResolution, ModelProfile, Role
 
@@ -44,14 +44,14 @@ class ProfiledModel:
         return hash(self._key)
 
     def planned_fields(self) -> dict[str, bool | int | str]:
+        """The fields every config states alike at the top of its text config (the profile's head widths are
+        its full-attention layers', which some configs give under other keys)."""
         profile = self.profile
         return {
             "model_type": profile.model_type,
             "hidden_size": profile.hidden_size,
             "num_hidden_layers": profile.num_layers,
             "num_attention_heads": profile.num_attention_heads,
-            "num_key_value_heads": profile.num_key_value_heads,
-            "head_dim": profile.head_dim,
             "vocab_size": profile.vocab_size,
             "tie_word_embeddings": profile.tie_word_embeddings,
         }
@@ -195,6 +195,14 @@ class ProfiledModel:
         return tuple((math.prod(group.shape), group.count) for group in self.profile.tensors if group.quantizable)
 
     # --- what the traces cover ---------------------------------------------------------------
+    def method_problem(self, method: Method) -> str | None:
+        failure = self.activations.lora_failure
+        if method == Method.FULL or failure is None:
+            return None
+        return (
+            f"{method.value} cannot train {self.profile.architecture}: a step with peft's adapters failed ({failure})"
+        )
+
     def unplannable(self, precision: Precision, attention: Attention | None, techniques: frozenset[str]) -> str | None:
         """Why a pinned setting cannot be planned from this profile, or None."""
         if precision == Precision.FP32:

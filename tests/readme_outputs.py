@@ -16,7 +16,7 @@ from pathlib import Path
 from memfit.cli.main import main
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-COMMAND = re.compile(r"^\$ (memfit (?:plan|profile) .*)$", re.MULTILINE)
+COMMAND = re.compile(r"^\$ (memfit (?:plan|profile|presets) .*)$", re.MULTILINE)
 TIMING = re.compile(r"planned in [0-9.]+ ms")
 """The one part of the output that differs from run to run."""
 

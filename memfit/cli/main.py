@@ -90,7 +90,7 @@ def _operator(args: argparse.Namespace) -> int:
 def _presets(args: argparse.Namespace) -> int:
     from memfit.cli.catalog_command import print_catalog
 
-    print_catalog()
+    print_catalog(profiles_only=args.profiles)
     return ExitCode.OK
 
 
@@ -180,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     operator.set_defaults(handler=_operator)
 
     presets = commands.add_parser("presets", parents=[debug], help="list the built-in model presets and GPU products")
+    presets.add_argument("--profiles", action="store_true", help="only the presets planned from stored profiles")
     presets.set_defaults(handler=_presets)
     return parser
 

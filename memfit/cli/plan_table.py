@@ -96,6 +96,7 @@ def print_plan_table(job: FineTuneJob, result: PlanResult, console: Console | No
     about = (f" ({_params(result.model_parameters)} parameters), method {spec.method.value}, "
              f"{training.global_batch_size} x {training.sequence_length} tokens per step")  # fmt: skip
     _print_heading(console, job, about)
+    console.print(Text.assemble(("Model", "bold"), ": ", literal(result.model_basis)))
     chosen = result.chosen
     if chosen is None:
         _print_no_fit(result, console)

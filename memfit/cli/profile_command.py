@@ -80,11 +80,13 @@ def _print_text(profile: ModelProfile, console: Console) -> None:
 def _activation_facts(activations: ActivationProfile) -> dict[str, str]:
     """One line per traced term of each setup (full fine-tuning, LoRA): bytes per token, per token squared (up
     to the window), and constant."""
-    setups = {
-        "full": activations.full,
-        f"lora r{activations.lora_rank} dropout {activations.lora_dropout:g}": activations.lora,
-    }
+    setups = {"full": activations.full}
+    lora = f"lora r{activations.lora_rank} dropout {activations.lora_dropout:g}"
     facts = {}
+    if activations.lora is not None:
+        setups[lora] = activations.lora
+    else:
+        facts[f"activations ({lora})"] = f"cannot train: {activations.lora_failure}"
     for setup, traced in setups.items():
         terms = {"outside layers": traced.outside_layers}
         for layer in traced.layers:

@@ -23,7 +23,7 @@ from memfit.api.vocabulary import Attention, Method
 from memfit.memory.activations import ActivationEstimate, ActivationSetup, estimate_activations
 from memfit.model_shape import ModelShape
 from memfit.planned_model import PlannedModel
-from memfit.profile import ActivationTerm, ActivationTerms
+from memfit.profile import ActivationTerm
 from memfit.profiled_model import ProfiledModel
 
 BF16 = 2
@@ -36,7 +36,8 @@ def _rows(term: ActivationTerm, tokens: int, rows: int) -> int:
 
 
 def profiled_activations(model: ProfiledModel, setup: ActivationSetup) -> ActivationEstimate:
-    terms: ActivationTerms = model.activations.full if setup.method == Method.FULL else model.activations.lora
+    terms = model.activations.full if setup.method == Method.FULL else model.activations.lora
+    assert terms is not None  # the planner plans no LoRA where the profile says it cannot train
     rows, tokens = setup.micro_batch_size, setup.sequence_length
     kinds = model.profile.layer_types
     distinct = dict.fromkeys(kinds)

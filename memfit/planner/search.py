@@ -269,7 +269,7 @@ def _search(
 
 def _search_methods(search: _Search, capacities: list[PoolCapacity]) -> _Search:
     for method in _methods(search.spec):  # auto: every method, so that the best of each can be shown
-        if _pinned_conflicts(search, method):
+        if _method_refused(search, method) or _pinned_conflicts(search, method):
             continue
         for capacity in capacities:
             _search_pool(search, capacity, method)
@@ -285,7 +285,7 @@ def _lighter(search: _Search, capacities: list[PoolCapacity]) -> dict[str, PlanC
     lighter: dict[str, PlanCandidate | None] = {}
     for method in METHOD_PREFERENCE[METHOD_PREFERENCE.index(spec.method) + 1 :]:
         alternative = _Search(spec, search.shape, search.lora, search.exclude, master_weights=search.master_weights)
-        if not _pinned_conflicts(alternative, method):
+        if not (_method_refused(alternative, method) or _pinned_conflicts(alternative, method)):
             for capacity in capacities:
                 _search_pool(alternative, capacity, method)
         search.untried |= alternative.untried
@@ -305,6 +305,14 @@ def _methods(spec: FineTuneJobSpec) -> list[PlannedMethod]:
     if method is Method.AUTO:
         return list(METHOD_PREFERENCE)
     return [method]
+
+
+def _method_refused(search: _Search, method: PlannedMethod) -> bool:
+    """Whether the model's description says ``method`` cannot train it, recording why."""
+    problem = search.shape.method_problem(method)
+    if problem is not None:
+        search.untried.add(Untried(pool=None, method=method, cause=problem))
+    return problem is not None
 
 
 def _pinned_conflicts(search: _Search, method: PlannedMethod) -> bool:

@@ -49,6 +49,13 @@ NEW_FAMILIES: dict[str, dict[str, Any]] = {
         "layer_types": SLIDING_THEN_FULL,
         "max_position_embeddings": 131072,  # its YaRN rope's own context (4096 x 32)
     },
+    "gemma4_text": {
+        "sliding_window": 16,
+        "layer_types": SLIDING_THEN_FULL,
+        "global_head_dim": 32,  # its full-attention layers have their own, wider heads
+        "hidden_size_per_layer_input": 8,  # and a per-layer embedding input
+        "vocab_size_per_layer_input": VOCAB_SIZE,
+    },
     "qwen3_5_text": {
         "layer_types": ["linear_attention", "full_attention"],  # Gated DeltaNet, then softmax attention
         "linear_num_key_heads": 2,
@@ -59,7 +66,7 @@ NEW_FAMILIES: dict[str, dict[str, Any]] = {
     },
 }
 """model_type -> the config fields of its tiny model beyond COMMON."""
-CHAT_FAMILY = {"gemma3_text": "gemma3"}
+CHAT_FAMILY = {"gemma3_text": "gemma3", "gemma4_text": "gemma3"}
 """The chat family of each model's tokenizer (qwen2.5's by default)."""
 
 

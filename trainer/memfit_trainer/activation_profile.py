@@ -87,6 +87,33 @@ def text_config(config: dict[str, Any]) -> Any:
     return AutoConfig.for_model(**config).get_text_config()
 
 
+MESSAGE_LENGTH = 200
+"""Characters of transformers' own reason shown in the one-line error."""
+
+
+class ProfileError(ValueError):
+    """Bad input: the message is the one line the user sees."""
+
+
+def decoder_layers_prefix(model: Any, num_layers: int) -> str:
+    """``model.layers``, ``model.language_model.layers``...: where the text decoder keeps its layers.
+
+    The decoder's ``layers`` where ``get_decoder()`` finds it, else the one ``layers`` list of the config's
+    length outside any vision or audio tower.
+    """
+    decoder_layers = getattr(model.get_decoder(), "layers", None)
+    candidates = [
+        name
+        for name, module in model.named_modules()
+        if (module is decoder_layers if decoder_layers is not None else name.rpartition(".")[2] == "layers")
+        and len(module) == num_layers
+        and not any(tower in name for tower in ("vision", "audio"))
+    ]
+    if len(candidates) != 1:
+        raise ProfileError(f"cannot tell the decoder's {num_layers} layers in {type(model).__name__}")
+    return str(candidates[0])
+
+
 def distinct_layer_types(text: Any) -> tuple[str, ...]:
     """The decoder's layer types in order of first appearance (``full_attention`` where the config names none)."""
     kinds = getattr(text, "layer_types", None) or [FULL_ATTENTION] * int(text.num_hidden_layers)
@@ -176,7 +203,7 @@ def trace(text: Any, layer_types: Sequence[str], tokens: int, attention: str, se
     from memfit_trainer.fake_trace import PhaseMemTracker, categories_of, fake_run, fake_weights, transient
 
     model = meta_model(text, layer_types, attention, setup)
-    layers = list(model.get_decoder().layers)
+    layers = list(model.get_submodule(decoder_layers_prefix(model, len(layer_types))))
     row = training_row(tokens, int(text.vocab_size), setup.packed)
     # Packed: the explicit mask transformers builds for the restarting positions; else none (is_causal).
     with fake_run("explicit" if setup.packed else "implicit") as mode:
@@ -314,10 +341,14 @@ def activation_profile(config: dict[str, Any], tokens: Sequence[int] | None = No
     window = getattr(text, "sliding_window", None) if any("sliding" in kind for kind in kinds) else None
     attention = attention_kernel(text)
     counts = tuple(tokens or token_counts(window))
-    lora = lora_of(text, kinds, attention)
-    full_terms, lora_terms = (
-        activation_terms(text, kinds, attention, counts, setup, window) for setup in (FULL, Setup(lora=lora))
-    )
+    full_terms = activation_terms(text, kinds, attention, counts, FULL, window)
+    lora_terms: ActivationTerms | None = None
+    failure: str | None = None
+    try:
+        lora = lora_of(text, kinds, attention)
+        lora_terms = activation_terms(text, kinds, attention, counts, Setup(lora=lora), window)
+    except Exception as error:  # the model's own code with peft's adapters: whatever it raises, LoRA cannot train it
+        lora, failure = DEFAULT_LORA, " ".join(f"{type(error).__name__}: {error}".split())[:MESSAGE_LENGTH]
     return ActivationProfile(
         dtype=DTYPE,
         micro_batch=1,
@@ -326,6 +357,7 @@ def activation_profile(config: dict[str, Any], tokens: Sequence[int] | None = No
         lora=lora_terms,
         lora_rank=lora.rank,
         lora_dropout=lora.dropout,
+        lora_failure=failure,
     )
 
 

@@ -30,11 +30,9 @@ from memfit.profile import (
     TensorGroup,
     canonical_config_sha256,
 )
-from memfit_trainer.activation_profile import activation_profile
+from memfit_trainer.activation_profile import MESSAGE_LENGTH, ProfileError, activation_profile, decoder_layers_prefix
 
 EXIT_BAD_INPUT = 2
-MESSAGE_LENGTH = 200
-"""Characters of transformers' own reason shown in the one-line error."""
 ALL_LINEAR = "all-linear"
 FULL_ATTENTION = "full_attention"
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -44,10 +42,6 @@ KERNEL_FLAGS = (
     ("_supports_flash_attn", "flash_attention_2"),
     ("_supports_flex_attn", "flex_attention"),
 )
-
-
-class ProfileError(ValueError):
-    """Bad input: the message is the one line the user sees."""
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -85,25 +79,6 @@ def build_meta_model(config: dict[str, Any]) -> Any:
     except (ValueError, TypeError, StrictDataclassError) as error:
         reason = " ".join(str(error).split())[:MESSAGE_LENGTH] or type(error).__name__
         raise ProfileError(f"config.json: transformers refuses this {model_type} config: {reason}") from error
-
-
-def decoder_layers_prefix(model: Any, num_layers: int) -> str:
-    """``model.layers``, ``model.language_model.layers``...: where the text decoder keeps its layers.
-
-    The decoder's ``layers`` where ``get_decoder()`` finds it, else the one ``layers`` list of the config's
-    length outside any vision or audio tower.
-    """
-    decoder_layers = getattr(model.get_decoder(), "layers", None)
-    candidates = [
-        name
-        for name, module in model.named_modules()
-        if (module is decoder_layers if decoder_layers is not None else name.rpartition(".")[2] == "layers")
-        and len(module) == num_layers
-        and not any(tower in name for tower in ("vision", "audio"))
-    ]
-    if len(candidates) != 1:
-        raise ProfileError(f"cannot tell the decoder's {num_layers} layers in {type(model).__name__}")
-    return str(candidates[0])
 
 
 def layer_role(path: str, classes: list[str]) -> Role:

@@ -1,0 +1,262 @@
+"""Planning a model from its own profile: no typed sizes, the parameter count transformers builds.
+
+The stored profiles (memfit/catalog/profiles, made by ``make profiles`` from the stored config.json files) are
+what a job planned from a model directory holding one of those configs reads: these tests run without torch.
+Where a family has formulas too (Llama 3.1 8B), the profile and the formulas must agree tensor by tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from memfit.api.finetunejob import FineTuneJobSpec
+from memfit.api.vocabulary import Attention, Method, Precision
+from memfit.catalog.model_configs import stored_config_path, stored_profile, stored_profile_names
+from memfit.catalog.models import model_preset
+from memfit.cli.main import main
+from memfit.memory.activations import ActivationSetup
+from memfit.memory.profiled_activations import model_activations
+from memfit.planner.search import PlanningError, plan_job
+from memfit.profiled_model import ProfiledModel
+from tests.planning_fixtures import A100_NODE, ONE_A100, job
+from tests.stored_models import STORED_TOTALS
+
+ROOT = Path(__file__).resolve().parent.parent
+INVENTORY = ROOT / "examples" / "inventory.yaml"
+DONE_MEANS = [
+    "qwen3-8b",
+    "qwen3-30b-a3b",
+    "qwen3.5-27b",
+    "gemma-4-31b",
+    "gpt-oss-20b",
+    "llama-4-scout",
+    "ministral-3-8b",
+]
+
+
+def profiled(name: str) -> ProfiledModel:
+    profile = stored_profile(name)
+    assert profile is not None, f"no stored profile of {name}: run make profiles"
+    return ProfiledModel(profile)
+
+
+def test_every_stored_config_has_a_stored_profile() -> None:
+    assert set(stored_profile_names()) == set(STORED_TOTALS)
+
+
+@pytest.mark.parametrize("name", sorted(STORED_TOTALS))
+def test_a_stored_profile_counts_what_transformers_builds(name: str) -> None:
+    model = profiled(name)
+    assert model.parameter_count == STORED_TOTALS[name]
+    assert sum(count * _numel(shape) for shape, count in model.full_tensors()) == model.parameter_count
+    assert sum(count * elements for elements, count in model.quantized_tensors()) == model.quantizable_parameters
+    lora = sum(count * _numel(shape) for shape, count in model.lora_tensors(16, ("all-linear",)))
+    assert lora == model.lora_parameters(16, ("all-linear",)) > 0
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    total = 1
+    for size in shape:
+        total *= size
+    return total
+
+
+def test_the_profile_of_llama_agrees_with_the_llama_formulas_tensor_by_tensor() -> None:
+    model, shape = profiled("llama-3.1-8b"), model_preset("llama-3.1-8b")
+    sizes = ("parameter_count", "quantizable_parameters", "embedding_parameters", "lm_head_parameters")
+    sizes += ("norm_parameters", "layer_parameters", "largest_layer_parameters", "active_parameters_per_token")
+    for size in sizes:
+        assert getattr(model, size) == getattr(shape, size), size
+    assert Counter(dict(model.full_tensors())) == Counter(dict(shape.full_tensors()))
+    for targets in (("all-linear",),):
+        assert Counter(dict(model.lora_tensors(16, targets))) == Counter(dict(shape.lora_tensors(16, targets)))
+    assert Counter(dict(model.quantized_tensors())) == Counter(dict(shape.quantized_tensors()))
+    assert model.forward_flops_per_token(4096) == shape.forward_flops_per_token(4096)
+
+
+def test_moe_active_parameters_leave_out_the_idle_experts() -> None:
+    model = profiled("qwen3-30b-a3b")
+    assert 3.0e9 < model.active_parameters_per_token < 3.5e9  # "A3B": 3.3B active of 30.5B
+
+
+def test_sliding_and_linear_attention_layers_attend_over_less_than_the_sequence() -> None:
+    """Attention FLOPs grow with the sequence only in full-attention layers: gpt-oss's sliding half is
+    bounded by its 128-token window, Qwen3.5's Gated DeltaNet layers have no quadratic term."""
+    for name, full_layers in (("gpt-oss-20b", 12), ("qwen3.5-27b", 16)):
+        model = profiled(name)
+        width = model.profile.num_attention_heads * model.profile.head_dim
+        growth = model.forward_flops_per_token(8192) - model.forward_flops_per_token(4096)
+        assert growth == 2 * full_layers * 4096 * width, name
+
+
+def _setup(method: Method, checkpointing: bool, micro_batch: int = 1, tokens: int = 4096) -> ActivationSetup:
+    return ActivationSetup(method, Precision.BF16, checkpointing, micro_batch, tokens, Attention.SDPA)
+
+
+def test_profiled_activations_compose_the_traced_terms() -> None:
+    model = profiled("qwen3-8b")
+    terms = model.activations.full
+    layer = terms.layer("full_attention")
+    estimate = model_activations(model, _setup(Method.FULL, False))
+    expected = terms.outside_layers.bytes(4096) + 36 * layer.saved.bytes(4096)
+    assert estimate.loss_moment == expected
+    assert estimate.layer_moment == 36 * layer.saved.bytes(4096) + layer.backward_peak.bytes(4096)
+    checkpointed = model_activations(model, _setup(Method.FULL, True))
+    between = 4096 * model.hidden_size * 2
+    assert checkpointed.loss_moment == 36 * between + terms.outside_layers.bytes(4096)
+    assert checkpointed.peak < estimate.peak / 5
+
+
+def test_rows_scale_every_term_but_its_constant() -> None:
+    model = profiled("qwen3-8b")
+    one, four = (
+        model_activations(model, _setup(Method.FULL, False)),
+        model_activations(model, _setup(Method.FULL, False, 4)),
+    )
+    constant = model.activations.full.outside_layers.constant
+    assert four.loss_moment == pytest.approx(4 * one.loss_moment - 3 * constant, abs=64)
+
+
+def test_lora_plans_use_the_lora_terms() -> None:
+    model = profiled("qwen3-8b")
+    full, lora = (
+        model_activations(model, _setup(Method.FULL, False)),
+        model_activations(model, _setup(Method.LORA, False)),
+    )
+    assert lora.peak != full.peak
+    assert lora.saved_per_layer == model.activations.lora.layer("full_attention").saved.bytes(4096)
+
+
+def _claim_job(tmp_path: Path, name: str, **spec: Any) -> Path:
+    """A job training the stored config ``name`` from a model directory on the claim ``models``: no sizes."""
+    directory = tmp_path / "models" / name
+    directory.mkdir(parents=True)
+    path = stored_config_path(name)
+    assert path is not None
+    shutil.copy(path, directory / "config.json")
+    document = {
+        "apiVersion": "memfit.dev/v1alpha1",
+        "kind": "FineTuneJob",
+        "metadata": {"name": "profiled"},
+        "spec": {
+            "model": {"name": name, "source": {"pvc": "models", "path": name}},
+            "dataset": {"source": {"pvc": "data", "path": "train.jsonl"}},
+            "output": {"pvc": "out"},
+            "method": "auto",
+            "training": {"globalBatchSize": 16, "sequenceLength": 4096},
+            **spec,
+        },
+    }
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(document))
+    return job_file
+
+
+@pytest.fixture(autouse=True)
+def empty_profile_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Nothing of the user's cache: a test that would profile shows it (no stored profile matched)."""
+    cache = tmp_path / "profile-cache"
+    monkeypatch.setenv("MEMFIT_PROFILE_CACHE", str(cache))
+    return cache
+
+
+@pytest.mark.parametrize("name", DONE_MEANS)
+def test_memfit_plan_plans_a_model_directory_from_its_config_json(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], empty_profile_cache: Path
+) -> None:
+    job_file = _claim_job(tmp_path, name)
+    code = main(["plan", str(job_file), "-i", str(INVENTORY), "--mount", f"models={tmp_path / 'models'}", "-o", "json"])
+    out, err = capsys.readouterr()
+    assert code in (0, 1), err
+    result = json.loads(out)
+    assert result["modelParameters"] == STORED_TOTALS[name]
+    assert result["modelBasis"].startswith("profile of ") and err == ""  # the stored profile: nothing profiled
+    assert not empty_profile_cache.exists()
+    plans = [result["chosen"], *result["candidates"]] if result["chosen"] else []
+    for plan in plans:
+        assert not plan["strategy"]["chunkedLoss"] and not plan["strategy"]["activationOffloading"]
+        assert plan["parameterCount"] == STORED_TOTALS[name]
+
+
+def test_gpt_oss_is_planned_with_eager_attention(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    job_file = _claim_job(tmp_path, "gpt-oss-20b")
+    assert (
+        main(["plan", str(job_file), "-i", str(INVENTORY), "--mount", f"models={tmp_path / 'models'}", "-o", "json"])
+        == 0
+    )
+    chosen = json.loads(capsys.readouterr().out)["chosen"]
+    assert chosen["strategy"]["attention"] == "eager"
+
+
+def test_the_table_names_what_the_plan_was_computed_from(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    job_file = _claim_job(tmp_path, "qwen3-8b")
+    assert main(["plan", str(job_file), "-i", str(INVENTORY), "--mount", f"models={tmp_path / 'models'}"]) == 0
+    out = capsys.readouterr().out
+    assert "8.19B parameters" in out and "profile of Qwen3ForCausalLM" in out
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"training": {"globalBatchSize": 16, "sequenceLength": 4096, "precision": "fp32"}}, "fp32"),
+        ({"strategy": {"chunkedLoss": True}}, "chunked_loss: not yet traced"),
+        ({"strategy": {"attention": "flash"}}, "strategy.attention flash"),
+    ],
+)
+def test_what_the_profile_cannot_estimate_is_refused_in_one_line(
+    spec: dict[str, Any], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    job_file = _claim_job(tmp_path, "qwen3-8b", **spec)
+    assert main(["plan", str(job_file), "-i", str(INVENTORY), "--mount", f"models={tmp_path / 'models'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("memfit plan: error: ") and err.count("\n") == 1 and message in err
+
+
+def test_a_hub_model_without_sizes_is_refused_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    job_file = _claim_job(tmp_path, "qwen3-8b")
+    document = yaml.safe_load(job_file.read_text())
+    document["spec"]["model"]["source"] = {"hub": "Qwen/Qwen3-8B"}
+    job_file.write_text(yaml.safe_dump(document))
+    assert main(["plan", str(job_file), "-i", str(INVENTORY)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not on a claim" in err
+
+
+def test_a_claim_without_config_json_is_refused_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    job_file = _claim_job(tmp_path, "qwen3-8b")
+    (tmp_path / "models" / "qwen3-8b" / "config.json").unlink()
+    assert main(["plan", str(job_file), "-i", str(INVENTORY), "--mount", f"models={tmp_path / 'models'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds no config.json" in err
+
+
+def test_a_stored_profile_is_a_preset() -> None:
+    spec = job("qwen3-8b", method="lora")
+    result = plan_job(spec, [A100_NODE])
+    assert result.model_parameters == STORED_TOTALS["qwen3-8b"] and result.chosen is not None
+    assert result.model_basis.startswith("profile of Qwen3ForCausalLM")
+
+
+def test_random_init_needs_typed_sizes() -> None:
+    with pytest.raises(ValueError, match="randomInit builds the model from typed sizes"):
+        FineTuneJobSpec.model_validate(
+            {
+                "model": {"name": "q", "randomInit": True, "architecture": {"preset": "qwen3-8b"}},
+                "dataset": {"source": {"pvc": "d"}},
+                "output": {"pvc": "o"},
+            }  # fmt: skip
+        )
+
+
+def test_without_a_profile_or_sizes_the_planner_says_how_to_get_one() -> None:
+    spec = job("qwen3-8b")
+    spec = spec.model_copy(update={"model": spec.model.model_copy(update={"architecture": None})})
+    with pytest.raises(PlanningError, match="memfit plan --mount"):
+        plan_job(spec, [ONE_A100])

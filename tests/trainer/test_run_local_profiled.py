@@ -1,0 +1,114 @@
+"""``memfit run --local`` of a model directory that types no sizes: profiled from its config.json, planned
+from the profile, trained to the end on 2 CPU ranks (the Done-means of planning models from their own code).
+
+Each family keeps its layer pattern in a tiny random model (tests.trainer.new_families): Gated DeltaNet and
+full attention (qwen3_5_text), sliding and full layers with per-layer inputs (gemma4_text), fused experts
+(qwen3_moe) and gpt-oss's eager-only attention with sinks. The plan chooses everything the job does not pin.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from memfit.contract.reader import ConfigError
+from memfit.contract.trainer_config import TrainerConfig
+from memfit_trainer.preflight import check
+from tests.trainer.new_families import write_model_directory
+from tests.trainer.runs import logged_losses, trainer_env
+
+STEPS = 3
+FAMILIES: dict[str, dict[str, Any]] = {
+    "qwen3_5_text": {"method": "full", "packing": False},  # Gated DeltaNet cannot keep packed documents apart
+    "gemma4_text": {"method": "full"},
+    "qwen3_moe": {"method": "lora", "lora": {"dropout": 0.0}},  # peft adapts the fused experts in place
+    "gpt_oss": {"method": "lora"},
+}
+
+
+def write_job(tmp_path: Path, model_type: str) -> Path:
+    """A job training the model saved in ``models/<model_type>``, with no ``architecture``."""
+    options = FAMILIES[model_type]
+    write_model_directory(model_type, tmp_path / "models" / model_type)
+    data = tmp_path / "data"
+    data.mkdir()
+    lines = [json.dumps({"text": f"document {i}: " + "the quick brown fox jumps over the lazy dog " * (i % 5 + 1)})
+             for i in range(64)]  # fmt: skip
+    (data / "train.jsonl").write_text("\n".join(lines) + "\n")
+    job = {
+        "apiVersion": "memfit.dev/v1alpha1",
+        "kind": "FineTuneJob",
+        "metadata": {"name": model_type.replace("_", "-")},
+        "spec": {
+            "model": {"name": model_type, "source": {"pvc": "models", "path": model_type}},
+            "dataset": {
+                "source": {"pvc": "data", "path": "train.jsonl"},
+                "format": "jsonl",
+                "textField": "text",
+                "packing": options.get("packing", True),
+            },
+            "method": options["method"],
+            "training": {
+                "globalBatchSize": 4,
+                "sequenceLength": 64,
+                "maxSteps": STEPS,
+                "learningRate": 1e-3,
+                "checkpointEverySteps": STEPS,
+            },  # fmt: skip
+            "output": {"pvc": "output", "path": "run/"},
+            **({"lora": options["lora"]} if "lora" in options else {}),
+        },
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def memfit(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "memfit.cli.main", *args], env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_a_model_directory_without_typed_sizes_is_profiled_planned_and_trained(tmp_path: Path, model_type: str) -> None:
+    job = write_job(tmp_path, model_type)
+    env = trainer_env(MEMFIT_PROFILE_CACHE=str(tmp_path / "profiles"))
+    result = memfit("run", str(job), "--local", "--nproc", "2", env=env)
+    assert result.returncode == 0, result.stderr[-6000:]
+    assert "profiling the model in" in result.stderr
+    assert len(list((tmp_path / "profiles").glob("*.json"))) == 1  # cached for the next plan
+    losses = logged_losses(result.stdout)
+    assert set(losses) >= {1, STEPS} and all(math.isfinite(loss) for loss in losses.values()), result.stdout
+    config = json.loads((tmp_path / "output" / "run" / ".memfit" / "trainer-config.json").read_text())
+    assert config["model"].get("architecture") is None
+    assert config["model"]["plannedFields"]["model_type"] == model_type
+    final = tmp_path / "output" / "run" / "final"
+    assert (
+        final / ("model.safetensors" if FAMILIES[model_type]["method"] == "full" else "adapter_model.safetensors")
+    ).is_file()
+    if model_type == "gpt_oss":
+        assert config["training"]["attention"] == "eager"  # transformers has no SDPA for it
+
+
+def test_a_directory_holding_another_model_than_the_profiled_one_is_refused_before_training(tmp_path: Path) -> None:
+    """Planned from the profile of one model, run on a directory now holding another: the trainer's preflight
+    compares the profiled config fields with the directory's config.json (one line, exit 2 in a pod)."""
+    job = write_job(tmp_path, "qwen3_moe")
+    env = trainer_env(MEMFIT_PROFILE_CACHE=str(tmp_path / "profiles"))
+    dry = memfit("run", str(job), "--local", "--nproc", "2", "--dry-run", env=env)
+    assert dry.returncode == 0, dry.stderr
+    config_path = tmp_path / "output" / "run" / ".memfit" / "trainer-config.json"
+    write_model_directory("qwen3_5_text", tmp_path / "models" / "qwen3_moe")  # another model, same place
+    config = TrainerConfig.model_validate_json(config_path.read_text())
+    with pytest.raises(ConfigError) as refused:
+        check(config, {"WORLD_SIZE": str(config.world_size)})
+    assert "holds a qwen3_5_text model" in str(refused.value) and "the plan was made for" in str(refused.value)
