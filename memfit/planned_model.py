@@ -127,14 +127,25 @@ def model_flops(forward_flops_per_token: int, trains_base: bool) -> int:
     return forward_flops_per_token * (3 if trains_base else 2)
 
 
-def adapter_problem(model: PlannedModel, target_modules: tuple[str, ...], dropout: float) -> str | None:
-    """Why peft cannot build these LoRA adapters on the model, or None: a target it lacks, or dropout on
-    parameters peft adapts in place (fused experts and routers: its ``ParamWrapper`` refuses ``lora_dropout``)."""
+DEFAULT_LORA_DROPOUT = 0.05
+"""``lora.dropout`` where the job leaves it out and peft can apply it to every target."""
+
+
+def lora_dropout(model: PlannedModel, target_modules: tuple[str, ...], dropout: float | None) -> float:
+    """The job's dropout, or by default 0.05 (0 where peft adapts some target in place: it refuses dropout)."""
+    if dropout is not None:
+        return dropout
+    return 0.0 if model.in_place_lora_targets(target_modules) else DEFAULT_LORA_DROPOUT
+
+
+def adapter_problem(model: PlannedModel, target_modules: tuple[str, ...], dropout: float | None) -> str | None:
+    """Why peft cannot build these LoRA adapters on the model, or None: a target it lacks, or a dropout the job
+    sets on parameters peft adapts in place (fused experts and routers: its ``ParamWrapper`` refuses it)."""
     try:
         in_place = model.in_place_lora_targets(target_modules)
     except ValueError as error:
         return str(error)
-    if in_place and dropout > 0:
+    if in_place and dropout:
         return (
             f"lora.dropout {dropout} cannot apply to the adapters on {', '.join(in_place)} (fused experts and "
             "router, which peft adapts in place without dropout): set lora.dropout: 0, or target other modules"

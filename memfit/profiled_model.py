@@ -132,20 +132,20 @@ class ProfiledModel:
         return self.parameter_count - self.embedding_parameters - idle
 
     # --- compute -----------------------------------------------------------------------------
+    @cached_property
+    def _attention_layers(self) -> tuple[int, int]:
+        """(full-attention layers, windowed ones): linear-attention layers have no quadratic term."""
+        kinds = [kind for kind in self.profile.layer_types if kind != LINEAR_ATTENTION]
+        windowed = sum(any(word in kind for word in WINDOWED) for kind in kinds) if self.profile.sliding_window else 0
+        return len(kinds) - windowed, windowed
+
     def forward_flops_per_token(self, sequence_length: int) -> int:
         """2 x the active parameters plus attention: each softmax-attention layer attends over the causal
         half of its span (the whole sequence, or its window); linear-attention layers add no quadratic term."""
         profile = self.profile
-        width = profile.num_attention_heads * profile.head_dim
-        span = 0
-        for kind in profile.layer_types:
-            if kind == LINEAR_ATTENTION:
-                continue
-            windowed = any(word in kind for word in WINDOWED) and profile.sliding_window is not None
-            span += (
-                min(sequence_length, profile.sliding_window) if windowed and profile.sliding_window else sequence_length
-            )
-        return 2 * self.active_parameters_per_token + 2 * span * width
+        full, windowed = self._attention_layers
+        span = full * sequence_length + windowed * min(sequence_length, profile.sliding_window or sequence_length)
+        return 2 * self.active_parameters_per_token + 2 * span * profile.num_attention_heads * profile.head_dim
 
     def model_flops_per_token(self, sequence_length: int, trains_base: bool) -> int:
         return model_flops(self.forward_flops_per_token(sequence_length), trains_base)

@@ -25,6 +25,7 @@ from memfit.memory.sizes import NF4_BYTES_PER_PARAMETER
 from memfit.planner import throughput
 from memfit.planner.engine import CPU_ADAM_PARAMS_PER_SECOND_PER_NODE
 from memfit.planner.engines.fsdp2 import fsdp2_communication_bytes
+from memfit.planner.search import lora_settings
 
 SHAPE = MODEL_PRESETS["llama-2-7b"]
 P = SHAPE.parameter_count
@@ -227,7 +228,7 @@ def test_every_plan_of_a_chunked_loss_fsdp2_search_has_its_own_strategys_memory(
     )
     result = plan_job(spec, INVENTORY)
     shape = spec.model.architecture.shape()
-    lora = LoraSettings.of(spec.lora)
+    lora = lora_settings(spec, shape)
     plans = [*result.candidates, *result.rejected]
     assert any(p.strategy.chunked_loss for p in plans) and any(not p.strategy.chunked_loss for p in plans)
     for plan in plans:

@@ -12,8 +12,8 @@ from memfit.api.finetunejob import FineTuneJobSpec
 from memfit.api.plan import PlanCandidate, PlanResult
 from memfit.memory.activations import estimate_activations
 from memfit.memory.estimate import activation_setup, peak_memory, static_memory
-from memfit.memory.setup import LoraSettings, StaticSetup
-from memfit.planner.search import plan_job
+from memfit.memory.setup import StaticSetup
+from memfit.planner.search import lora_settings, plan_job
 from tests.plan_grid import INVENTORY, grid_jobs
 
 GRID = dict(grid_jobs())
@@ -27,7 +27,7 @@ def plans() -> dict[str, PlanResult]:
 def fresh_memory(spec: FineTuneJobSpec, candidate: PlanCandidate) -> object:
     """The memory of the candidate's strategy computed from nothing but that strategy."""
     shape = spec.model.architecture.shape()
-    lora = LoraSettings.of(spec.lora)
+    lora = lora_settings(spec, shape)
     strategy = candidate.strategy
     static = static_memory(shape, StaticSetup.of(strategy), lora)
     setup = activation_setup(shape, strategy, spec.training.sequence_length, lora)

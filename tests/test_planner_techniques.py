@@ -18,9 +18,9 @@ from memfit.api.vocabulary import MasterWeights
 from memfit.cli.plan_table import print_plan_table
 from memfit.memory.activations import estimate_activations
 from memfit.memory.estimate import activation_setup, peak_memory, static_memory
-from memfit.memory.setup import LoraSettings, StaticSetup
+from memfit.memory.setup import StaticSetup
 from memfit.planner.report import MIN_TECHNIQUE_GAIN
-from memfit.planner.search import plan_job
+from memfit.planner.search import lora_settings, plan_job
 from tests.planning_fixtures import A100_4_NODES, A100_NODE, ONE_A100, RTX_4090, V100_NODE, job, pool
 
 POOLS: dict[str, list[GPUPool]] = {
@@ -70,7 +70,7 @@ def _without_techniques_fits(spec: FineTuneJobSpec, candidate: PlanCandidate, po
     plain = dataclasses.replace(candidate.strategy, chunked_loss=False, activation_offloading=False,
                                 master_weights=MasterWeights.FP32)  # fmt: skip
     shape = spec.model.architecture.shape()
-    lora = LoraSettings.of(spec.lora)
+    lora = lora_settings(spec, shape)
     setup = activation_setup(shape, plain, spec.training.sequence_length, lora)
     memory = peak_memory(static_memory(shape, StaticSetup.of(plain), lora), estimate_activations(shape, setup),
                          plain.gradient_accumulation_steps)  # fmt: skip

@@ -280,8 +280,9 @@ class LoraSpec(ApiModel):
     """Adapter rank r (1-4096)."""
     alpha: StrictFloat = Field(default=32.0, gt=0, le=1_000_000)
     """Scaling numerator (the update is scaled by alpha / rank)."""
-    dropout: StrictFloat = Field(default=0.05, ge=0, lt=1)
-    """Dropout on the adapter input."""
+    dropout: StrictFloat | None = Field(default=None, ge=0, lt=1)
+    """Dropout on the adapter input. Default: 0.05, or 0 where the targets include parameters peft adapts in place
+    (an MoE model's fused experts and router under `all-linear`), which take no dropout."""
     target_modules: list[Annotated[str, Strict(), Field(min_length=1, max_length=128, pattern=LORA_TARGET)]] = Field(
         default_factory=lambda: [ALL_LINEAR], min_length=1, max_length=64
     )
@@ -418,7 +419,7 @@ class FineTuneJobSpec(ApiModel):
         architecture = self.model.architecture
         if architecture is None:
             return
-        dropout = 0 if self.method is Method.FULL else self.lora.dropout
+        dropout = None if self.method is Method.FULL else self.lora.dropout
         problem = adapter_problem(architecture.planned(), tuple(self.lora.target_modules), dropout)
         if problem is not None:
             raise ValueError(problem)

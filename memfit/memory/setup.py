@@ -87,5 +87,6 @@ class LoraSettings:
     dropout: bool
 
     @classmethod
-    def of(cls, spec: LoraSpec) -> LoraSettings:
-        return cls(Adapters(spec.rank, tuple(spec.target_modules)), spec.dropout > 0)
+    def of(cls, spec: LoraSpec, dropout: float) -> LoraSettings:
+        """``dropout``: the one the trainer applies (``memfit.planned_model.lora_dropout``)."""
+        return cls(Adapters(spec.rank, tuple(spec.target_modules)), dropout > 0)

@@ -52,7 +52,7 @@ from memfit.memory.activations import ActivationEstimate, ActivationSetup
 from memfit.memory.estimate import StaticMemory, activation_setup, static_memory, step_total
 from memfit.memory.profiled_activations import model_activations
 from memfit.memory.setup import LoraSettings, StaticSetup
-from memfit.planned_model import PlannedModel, adapter_problem
+from memfit.planned_model import PlannedModel, adapter_problem, lora_dropout
 from memfit.planner.advice import Untried, advise
 from memfit.planner.evaluated import Chosen, Evaluated, Fit, shortfall_ratio
 from memfit.planner.layouts import layouts
@@ -222,7 +222,7 @@ def planned_model(spec: FineTuneJobSpec, model: PlannedModel | None) -> PlannedM
     precision = Precision.BF16 if spec.training.precision is Precision.AUTO else spec.training.precision
     problem = model.unplannable(precision, spec.strategy.attention, pinned)
     if problem is None:
-        dropout = 0 if spec.method is Method.FULL else spec.lora.dropout
+        dropout = None if spec.method is Method.FULL else spec.lora.dropout
         problem = adapter_problem(model, tuple(spec.lora.target_modules), dropout)
     if problem is not None:
         raise PlanningError(problem)
@@ -256,7 +256,7 @@ def _search(
 ) -> _Search:
     """Search every method on every pool. Master weights stay fp32 unless the spec pins them: bf16 masters
     change the numerics, so they are planned only where no plan fits with fp32 masters."""
-    lora = LoraSettings.of(spec.lora)
+    lora = lora_settings(spec, shape)
     pinned = spec.strategy.master_weights
     masters = pinned or MasterWeights.FP32
     search = _search_methods(_Search(spec, shape, lora, frozenset(exclude), master_weights=masters), capacities)
@@ -265,6 +265,11 @@ def _search(
         bf16 = _search_methods(bf16, capacities)
         search = bf16 if bf16.fits else search
     return search
+
+
+def lora_settings(spec: FineTuneJobSpec, model: PlannedModel) -> LoraSettings:
+    """The job's adapters as the memory model reads them, with the dropout the trainer applies."""
+    return LoraSettings.of(spec.lora, lora_dropout(model, tuple(spec.lora.target_modules), spec.lora.dropout))
 
 
 def _search_methods(search: _Search, capacities: list[PoolCapacity]) -> _Search:

@@ -29,7 +29,7 @@ from memfit.contract.sections import (
     VolumesConfig,
 )
 from memfit.contract.trainer_config import TrainerConfig
-from memfit.planned_model import PlannedModel
+from memfit.planned_model import PlannedModel, lora_dropout
 from memfit.render.deepspeed import deepspeed_config, default_learning_rate, typed_model
 from memfit.render.fsdp2 import fsdp2_config
 
@@ -134,6 +134,7 @@ def render_trainer_config(
     model_volume = mounts.model if _on_claim(spec.model) else None
     training = spec.training
     memory = plan.memory.per_gpu
+    dropout = lora_dropout(planned, tuple(spec.lora.target_modules), spec.lora.dropout)
     return TrainerConfig(
         job=f"{job.metadata.namespace or 'default'}/{job.metadata.name}",
         model=model,
@@ -159,7 +160,7 @@ def render_trainer_config(
             master_weights=strategy.master_weights,
             seed=training.seed,
             checkpoint_every_steps=training.checkpoint_every_steps,
-            lora=LoraConfig.model_validate(spec.lora.model_dump()),
+            lora=LoraConfig.model_validate({**spec.lora.model_dump(), "dropout": dropout}),
         ),
         output_dir=inside(mounts.output, spec.output.path),
         engine=DeepSpeedEngineSection(config=deepspeed_config(spec, strategy, planned))

@@ -15,8 +15,8 @@ from memfit.api.loading import load_documents
 from memfit.contract.engines import DeepSpeedEngineSection
 from memfit.memory.activations import estimate_activations
 from memfit.memory.estimate import activation_setup, peak_memory, static_memory
-from memfit.memory.setup import LoraSettings, StaticSetup
-from memfit.planner.search import plan_job
+from memfit.memory.setup import StaticSetup
+from memfit.planner.search import lora_settings, plan_job
 from memfit.render.trainer_config import render_trainer_config
 from memfit_operator import objects
 
@@ -244,7 +244,7 @@ def test_offloaded_activations_are_in_the_pods_memory_request(job) -> None:  # t
     assert strategy.activation_offloading
     spec = job_.spec
     shape = spec.model.architecture.shape()
-    lora = LoraSettings.of(spec.lora)
+    lora = lora_settings(spec, shape)
     sequence = spec.training.sequence_length
     host = estimate_activations(shape, activation_setup(shape, strategy, sequence, lora)).host_bytes
     assert host > 0
