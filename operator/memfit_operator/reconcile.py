@@ -351,8 +351,9 @@ def _profiled(run: _Pass, job: FineTuneJob) -> bool:
 
 
 def _profile_summary(profile: ModelProfile) -> str:
-    billions = profile.total_parameters / 1e9
-    return (f"profiled {profile.architecture} ({profile.model_type}, {billions:.2f}B parameters, config.json "
+    count = profile.total_parameters
+    size = f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.2f}M" if count >= 1e6 else f"{count:,}"
+    return (f"profiled {profile.architecture} ({profile.model_type}, {size} parameters, config.json "
             f"sha256 {profile.config_sha256[:12]}...)")  # fmt: skip
 
 

@@ -78,6 +78,7 @@ def read_hub_config(repo_id: str) -> dict[str, Any]:
         RepositoryNotFoundError,
     )
 
+    # Subclasses first: no local copy offline is an EntryNotFoundError too, a gated repository a missing one.
     try:
         file = hf_hub_download(repo_id, "config.json")
     except GatedRepoError as error:
@@ -86,11 +87,11 @@ def read_hub_config(repo_id: str) -> dict[str, Any]:
     except RepositoryNotFoundError as error:
         raise ProfileError(f"{repo_id}: no such Hub repository, or a private one this token cannot read "
                            "(model.source.tokenSecretRef)") from error  # fmt: skip
-    except EntryNotFoundError as error:
-        raise ProfileError(f"{repo_id}: the Hub repository has no config.json") from error
     except (OfflineModeIsEnabled, LocalEntryNotFoundError) as error:
         raise ProfileError(f"{repo_id}: cannot reach the Hub to read config.json (offline, or no network from "
                            "this pod)") from error  # fmt: skip
+    except EntryNotFoundError as error:
+        raise ProfileError(f"{repo_id}: the Hub repository has no config.json") from error
     except (HfHubHTTPError, OSError, ValueError) as error:
         reason = " ".join(str(error).split())[:MESSAGE_LENGTH] or type(error).__name__
         raise ProfileError(f"{repo_id}: reading config.json from the Hub failed: {reason}") from error
