@@ -64,9 +64,7 @@ def test_a_hub_model_offline_is_a_one_line_config_error(tmp_path: Path, monkeypa
     assert message is not None and message.startswith("someone/no-such-model: cannot reach the Hub")
 
 
-def test_a_profile_too_large_for_a_termination_message_exits_2(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_profile_too_large_for_a_termination_message_exits_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(tiny_config("qwen3").to_json_string(), encoding="utf-8")
