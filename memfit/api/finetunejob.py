@@ -192,7 +192,8 @@ class ModelSpec(ApiModel):
     architecture: Architecture | None = None
     """The model's sizes (a preset, or sizes copied from its config.json), counted by memfit's formulas for
     six families. Leave it out to plan the model from its own config.json and code (a profile: `memfit
-    plan --mount`); required with `randomInit`."""
+    plan --mount`; in the cluster the operator profiles it in a short CPU-only pod and keeps the profile in a
+    ConfigMap for every job of the model); required with `randomInit`."""
     random_init: StrictBool = False
     """Build the architecture with random weights instead of loading any (smoke tests of a cluster or
     a pipeline; nothing is downloaded)."""

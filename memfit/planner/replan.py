@@ -22,6 +22,7 @@ from memfit.api.gpupool import GPUPool
 from memfit.api.plan import PlanCandidate, PlanResult
 from memfit.api.vocabulary import Method, Precision
 from memfit.contract.layout import CheckpointLayout
+from memfit.planned_model import PlannedModel
 from memfit.planner.search import plan_job
 
 LEANER_BY = 0.10
@@ -44,9 +45,14 @@ def leaner_headroom_percent(spec: FineTuneJobSpec, failed: PlanCandidate) -> flo
 
 
 def replan_after_oom(
-    spec: FineTuneJobSpec, pools: Sequence[GPUPool], failed: PlanCandidate, excluded: Collection[str]
+    spec: FineTuneJobSpec,
+    pools: Sequence[GPUPool],
+    failed: PlanCandidate,
+    excluded: Collection[str],
+    model: PlannedModel | None = None,
 ) -> tuple[PlanResult, bool]:
-    """The leaner plan after ``failed`` ran out of memory, and whether it keeps the checkpoint layout."""
+    """The leaner plan after ``failed`` ran out of memory, and whether it keeps the checkpoint layout (``model``:
+    the profiled model ``failed`` was planned for, as ``plan_job`` takes it)."""
     resources = spec.resources.model_copy(update={"memory_headroom_percent": leaner_headroom_percent(spec, failed)})
     leaner = spec.model_copy(update={"resources": resources})
     strategy = failed.strategy
@@ -58,8 +64,8 @@ def replan_after_oom(
             "resources": resources.model_copy(update={"pool": strategy.pool, "max_gpus": strategy.gpus}),
         }
     )
-    kept = plan_job(same_layout, pools, exclude=excluded)
+    kept = plan_job(same_layout, pools, exclude=excluded, model=model)
     if kept.chosen is not None and checkpoint_layout(kept.chosen) == checkpoint_layout(failed):
         return kept, True
-    result = plan_job(leaner, pools, exclude=excluded)
+    result = plan_job(leaner, pools, exclude=excluded, model=model)
     return result, result.chosen is not None and checkpoint_layout(result.chosen) == checkpoint_layout(failed)

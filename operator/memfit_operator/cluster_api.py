@@ -74,6 +74,16 @@ class ClusterApi:
             raise
         return True
 
+    def read_config_map(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """A ConfigMap's name and data; None when there is none of that name."""
+        try:
+            found = self.core.read_namespaced_config_map(name, namespace)
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+        return {"metadata": {"name": name, "namespace": namespace}, "data": dict(found.data or {})}
+
     def delete_pod(self, namespace: str, name: str) -> bool:
         """False when the pod was already gone."""
         try:

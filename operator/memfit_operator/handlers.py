@@ -13,6 +13,7 @@ when nothing changed, so an idle job costs no API calls.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -32,10 +33,10 @@ from memfit.api.loading import describe_validation_error
 from memfit.api.vocabulary import MANAGED_BY, MANAGED_BY_LABEL, TIMESTAMP_FORMAT, Phase, Reason
 from memfit_operator.cluster_api import GROUP, JOBS, VERSION, ClusterApi, load_credentials
 from memfit_operator.metrics import FOLLOW_HANDLER, OperatorMetrics
-from memfit_operator.objects import attempt_of, owned_pods, owner_of
+from memfit_operator.objects import attempt_of, owned_pods, owner_of, profile_of
 from memfit_operator.peering import announce_missing_peering
 from memfit_operator.progress import fetch_progress, rank0_address
-from memfit_operator.reconcile import ACTIVE, Decision, Observation, reconcile
+from memfit_operator.reconcile import ACTIVE, Decision, Observation, reconcile, wanted_profile
 from memfit_operator.settings import OperatorSettings
 
 POD_SELECTOR = f"{MANAGED_BY_LABEL}={MANAGED_BY}"
@@ -56,6 +57,8 @@ class Runtime:
         self.http: aiohttp.ClientSession | None = None
         self.peering_notice: asyncio.Task[None] | None = None
         self._wakeups: dict[tuple[str, str], asyncio.Event] = {}
+        self.profiles: dict[tuple[str, str], dict[str, Any]] = {}
+        """Profile ConfigMaps read, by (namespace, name): immutable, so read once."""
 
     def wakeup(self, namespace: str, name: str) -> asyncio.Event:
         return self._wakeups.setdefault((namespace, name), asyncio.Event())
@@ -176,12 +179,30 @@ class JobFollower:
         pods = [dict(p) for p in owned_pods(pods, (job.get("metadata") or {}).get("uid"))]
         await self._read_progress(status, job, pods)
         now = datetime.now(UTC).strftime(TIMESTAMP_FORMAT)
-        observation = Observation(job, pods, pools, self.progress, now)
+        profiles = await self._profiles(job)
+        observation = Observation(job, pods, pools, self.progress, now, profiles)
         settings = self.runtime.settings
         # Planning is CPU work (milliseconds to tens of them): off the event loop, so watches and probes stay live.
         decision = await asyncio.to_thread(reconcile, observation, settings.trainer_image, settings.trainer_options())
         self.progress = None
         await self._apply(body, job["status"] or {}, decision)
+
+    async def _profiles(self, job: dict[str, Any]) -> list[dict[str, Any]]:
+        """The profile ConfigMap the job needs (a job that types no model sizes), when it exists: read once, as it
+        is immutable (one GET per pass only while it does not exist yet)."""
+        name = wanted_profile(job)
+        if name is None:
+            return []
+        key = (self.namespace, name)
+        found = self.runtime.profiles.get(key)
+        if found is None:
+            found = await asyncio.to_thread(self.runtime.cluster.read_config_map, self.namespace, name)
+            if found is None:
+                return []
+            with contextlib.suppress(ValueError):  # one memfit cannot read is not kept: deleting it must count
+                profile_of(found)
+                self.runtime.profiles[key] = found
+        return [found]
 
     async def _read_progress(self, status: FineTuneJobStatus, job: dict[str, Any], pods: list[dict[str, Any]]) -> None:
         """Read rank 0's progress at most every progress_seconds, while the job runs."""

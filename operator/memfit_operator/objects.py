@@ -23,16 +23,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
+
 from memfit.api.base import API_VERSION, GROUP
-from memfit.api.finetunejob import FineTuneJob
+from memfit.api.finetunejob import FineTuneJob, FineTuneJobSpec
 from memfit.api.gpupool import GPU_PRODUCT_LABEL, GPUPool, pool_capacity
 from memfit.api.plan import PlanCandidate
-from memfit.api.vocabulary import MANAGED_BY, MANAGED_BY_LABEL, Offload
+from memfit.api.vocabulary import ALL_LINEAR, MANAGED_BY, MANAGED_BY_LABEL, Offload
 from memfit.contract.engines import DeepSpeedEngineSection
 from memfit.contract.sections import MetricsConfig
 from memfit.contract.trainer_config import TrainerConfig
+from memfit.profile import PROFILE_VERSION, ModelProfile
 from memfit.render.deepspeed import NVME_PATH
-from memfit.render.trainer_config import POD_MOUNTS
+from memfit.render.trainer_config import POD_MOUNTS, inside, model_config
 from memfit.units import GIB
 
 CONFIG_DIR = "/etc/memfit"
@@ -494,3 +497,190 @@ def attempt_objects(
     pods = [trainer_pod(job, plan, pool, attempt, rank, image, options) for rank in range(plan.strategy.nodes)]
     policy = [network_policy(job, plan, attempt, options)] if options.network_policy else []
     return [config_map(job, trainer_config, attempt), headless_service(job), *policy, *pods]
+
+
+# --- profiling a model the job types no sizes for -------------------------------------------------------------
+
+PROFILING_LABEL = "memfit.dev/profiling"
+"""On the profiling pod of a job (value ``"true"``): not a rank of any attempt."""
+GENERATION_LABEL = "memfit.dev/generation"
+"""The job's metadata.generation a profiling pod was made for: a changed spec gets a pod of its own."""
+PROFILE_LABEL = "memfit.dev/profile"
+"""On a profile ConfigMap: the hash of the model reference and LoRA targets (its name's suffix)."""
+CONFIG_SHA256_LABEL = "memfit.dev/config-sha256"
+"""On a profile ConfigMap: the profiled config.json's sha256 (its first 63 hex digits: a label value's most)."""
+MODEL_REFERENCE_ANNOTATION = "memfit.dev/model-reference"
+CONFIG_SHA256_ANNOTATION = "memfit.dev/config-sha256"
+LORA_TARGETS_ANNOTATION = "memfit.dev/lora-targets"
+PROFILE_FILE = "profile.json"
+PROFILE_CONFIG_MAP_PREFIX = "memfit-profile-"
+PROFILING_REQUESTS = {"cpu": "1", "memory": "2Gi"}
+PROFILING_LIMITS = {"cpu": "2", "memory": "6Gi"}
+"""The profiler builds the model on the meta device and traces a truncated copy under FakeTensorMode: no
+weights in memory, tens of seconds of one or two cores for a full-size config."""
+PROFILING_DEADLINE_SECONDS = 900
+PROFILING_TMP_BYTES = 1 * GIB
+PROFILING_CACHE_BYTES = 1 * GIB
+"""HF_HOME and the other caches: a Hub model's config.json is all the profiler downloads."""
+
+
+def model_reference(spec: FineTuneJobSpec) -> str:
+    """Which model a job names, as a profile is cached for it: ``pvc:CLAIM/PATH`` on a claim (the path normalized
+    as the pod mounts it), else ``hub:ID`` (what the trainer loads with ``from_pretrained``)."""
+    model = spec.model
+    if model.source is not None and model.source.pvc is not None:
+        path = inside("/", model.source.path).lstrip("/")
+        return f"pvc:{model.source.pvc}/{path}"
+    return f"hub:{model.name}"
+
+
+def profile_lora_targets(spec: FineTuneJobSpec) -> list[str]:
+    """The ``--lora-targets`` the job needs resolved besides ``all-linear`` (which every profile resolves)."""
+    targets = spec.lora.target_modules
+    return [] if ALL_LINEAR in targets else [",".join(sorted(targets))]
+
+
+def profile_key(spec: FineTuneJobSpec) -> str:
+    """A hash of what a profile depends on: the profile format's version, the model reference, the LoRA targets."""
+    key = json.dumps([PROFILE_VERSION, model_reference(spec), profile_lora_targets(spec)])
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def profile_config_map_name(spec: FineTuneJobSpec) -> str:
+    """The ConfigMap holding the profile of the job's model: shared by every job of the namespace naming the same
+    model with the same LoRA targets."""
+    return PROFILE_CONFIG_MAP_PREFIX + profile_key(spec)
+
+
+def profile_config_map(job: FineTuneJob, profile: ModelProfile) -> dict[str, Any]:
+    """The profile of the job's model, kept for every job of the same model: immutable, owned by no job (deleting
+    the job keeps it; deleting the ConfigMap makes the next job profile the model again)."""
+    spec = job.spec
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": profile_config_map_name(spec),
+            "namespace": job.metadata.namespace,
+            "labels": {
+                "app.kubernetes.io/name": "memfit-profile",
+                MANAGED_BY_LABEL: MANAGED_BY,
+                PROFILE_LABEL: profile_key(spec),
+                CONFIG_SHA256_LABEL: profile.config_sha256[:LABEL_VALUE_MAX],
+            },
+            "annotations": {
+                MODEL_REFERENCE_ANNOTATION: model_reference(spec),
+                CONFIG_SHA256_ANNOTATION: profile.config_sha256,
+                LORA_TARGETS_ANNOTATION: ";".join([ALL_LINEAR, *profile_lora_targets(spec)]),
+            },
+        },
+        "immutable": True,
+        "data": {PROFILE_FILE: profile.model_dump_json() + "\n"},
+    }
+
+
+def profile_of(config_map: Mapping[str, Any]) -> ModelProfile:
+    """The profile a profile ConfigMap holds; ValueError when it holds none memfit reads."""
+    text = (config_map.get("data") or {}).get(PROFILE_FILE)
+    if not isinstance(text, str):
+        raise ValueError(f"it has no {PROFILE_FILE}")
+    try:
+        return ModelProfile.model_validate_json(text)
+    except ValidationError as error:
+        first = error.errors()[0]
+        raise ValueError(f"{'.'.join(str(p) for p in first['loc']) or PROFILE_FILE}: {first['msg']}") from error
+
+
+def profiling_pod_name(job: FineTuneJob, generation: int) -> str:
+    return _derived(job.metadata.name, f"-profile-g{generation}", DNS_SUBDOMAIN_MAX, DNS1123_SUBDOMAIN)
+
+
+def is_profiling_pod(pod: Mapping[str, Any]) -> bool:
+    return (pod.get("metadata", {}).get("labels") or {}).get(PROFILING_LABEL) == "true"
+
+
+def profiled_path(spec: FineTuneJobSpec) -> str:
+    """What the profiler reads: the model's directory where the pod mounts its claim, else the Hub id."""
+    return model_config(spec.model, POD_MOUNTS.model).name_or_path
+
+
+def profiling_command(spec: FineTuneJobSpec) -> list[str]:
+    """The profiling pod's argv: the profile goes to the termination message (memfit.contract.profile_message)."""
+    command = ["python", "-m", "memfit_trainer.profile", profiled_path(spec), "--activations"]
+    for targets in profile_lora_targets(spec):
+        command += ["--lora-targets", targets]
+    if not _on_claim(spec):
+        command.append("--hub")
+    return [*command, "--termination-log", TERMINATION_LOG]
+
+
+def _on_claim(spec: FineTuneJobSpec) -> bool:
+    return spec.model.source is not None and spec.model.source.pvc is not None
+
+
+def profiling_pod(job: FineTuneJob, generation: int, image: str) -> dict[str, Any]:
+    """One short CPU-only pod that profiles the job's model from its config.json (no GPU, no weights read): the
+    trainer image, the trainer pods' security context, the model's claim read-only where the trainer pods mount
+    it (or, for a Hub model, the job's token Secret as HF_TOKEN)."""
+    spec = job.spec
+    metadata = _metadata(job, profiling_pod_name(job, generation))
+    metadata["labels"].update({PROFILING_LABEL: "true", GENERATION_LABEL: str(generation)})
+    volumes: list[dict[str, Any]] = [
+        {"name": "tmp", "emptyDir": {"sizeLimit": quantity(PROFILING_TMP_BYTES)}},
+        {"name": "cache", "emptyDir": {"sizeLimit": quantity(PROFILING_CACHE_BYTES)}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "tmp", "mountPath": TMP_DIR},
+        {"name": "cache", "mountPath": CACHE_DIR},
+    ]
+    env: list[dict[str, Any]] = [
+        {"name": "OMP_NUM_THREADS", "value": PROFILING_LIMITS["cpu"]},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+        {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
+        {"name": "MEMFIT_JOB", "value": f"{job.metadata.namespace}/{job.metadata.name}"},
+        {"name": "TMPDIR", "value": TMP_DIR},
+        {"name": "HOME", "value": CACHE_DIR},
+        {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
+        {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+    ]
+    source = spec.model.source
+    if source is not None and source.pvc is not None:
+        claim = {"claimName": source.pvc, "readOnly": True}
+        volumes.append({"name": "model", "persistentVolumeClaim": claim})
+        mounts.append({"name": "model", "mountPath": POD_MOUNTS.model, "readOnly": True})
+        env.append({"name": "HF_HUB_OFFLINE", "value": "1"})  # the config is on the claim: never reach out
+    elif source is not None and source.token_secret_ref is not None:
+        secret = source.token_secret_ref
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}}})
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": metadata,
+        "spec": {
+            "restartPolicy": "Never",
+            "automountServiceAccountToken": False,
+            "activeDeadlineSeconds": PROFILING_DEADLINE_SECONDS,
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": 10001,
+                "fsGroup": 10001,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },  # fmt: skip
+            "volumes": volumes,
+            "containers": [
+                {
+                    "name": "profiler",
+                    "image": image,
+                    "command": profiling_command(spec),
+                    "env": env,
+                    "resources": {"requests": dict(PROFILING_REQUESTS), "limits": dict(PROFILING_LIMITS)},
+                    "volumeMounts": mounts,
+                    "terminationMessagePath": TERMINATION_LOG,
+                    # The profile is the message: never replaced by the log's tail (which FallbackToLogsOnError
+                    # would do on a failure without a message: the reconciler reports the exit code then).
+                    "terminationMessagePolicy": "File",
+                    "securityContext": RESTRICTED_SECURITY_CONTEXT,
+                }
+            ],
+        },
+    }

@@ -11,6 +11,12 @@ Phases: Pending -> (Invalid | Unschedulable | Launching) -> Running -> Succeeded
 failed rank (gang restart, bounded by spec.maxRestarts), a re-plan after an out-of-memory failure
 (bounded by spec.maxReplans), Suspended while spec.suspend is true, and Failed when a bound is spent.
 Succeeded and Failed are terminal: nothing afterwards (operator restarts, deleted children) changes them.
+
+A job that types no model sizes (no ``spec.model.architecture``) is planned from its model's profile: the
+profile ConfigMap of its model reference (shared by the namespace's jobs of that model), else the one the job's
+profiling pod reports in its termination message (stored in that ConfigMap), else a profiling pod is created
+and the job waits (Pending, Planned=False reason Profiling). A model the pod cannot profile makes the job
+Invalid (reason ModelUnreadable, the pod's one line) until its spec changes.
 """
 
 from __future__ import annotations
@@ -26,15 +32,33 @@ from memfit.api.gpupool import GPUPool, pool_capacity
 from memfit.api.loading import describe_validation_error
 from memfit.api.plan import PlanCandidate
 from memfit.api.vocabulary import ConditionType, EndedOutcome, Outcome, Phase, Reason
+from memfit.contract.profile_message import ProfileMessageError, decode_profile_message
 from memfit.planner.replan import checkpoint_layout, replan_after_oom
 from memfit.planner.search import PlanningError, plan_job
 from memfit.planner.throughput import peak_flops
+from memfit.profile import ModelProfile
+from memfit.profiled_model import ProfiledModel
 from memfit.render.trainer_config import render_trainer_config
-from memfit_operator.objects import TrainerOptions, attempt_objects, attempt_of, owned_pods, pod_name
+from memfit_operator.objects import (
+    TrainerOptions,
+    attempt_objects,
+    attempt_of,
+    is_profiling_pod,
+    model_reference,
+    owned_pods,
+    pod_name,
+    profile_config_map,
+    profile_config_map_name,
+    profile_of,
+    profiled_path,
+    profiling_pod,
+    profiling_pod_name,
+)
 from memfit_operator.status import (
     GangState,
     gang_state,
     memory_per_gpu,
+    profiling_outcome,
     progress_display,
     report_pod,
     set_condition,
@@ -68,6 +92,9 @@ class Observation:
     """Training progress read from the current attempt's rank 0 (None when nothing was read)."""
     now: str
     """RFC 3339 time of the observation."""
+    profiles: Sequence[Mapping[str, Any]] = ()
+    """Profile ConfigMaps (as the API server returns them) of the job's model: the one named
+    ``profile_config_map_name(spec)`` when it exists (others are ignored)."""
 
 
 @dataclass
@@ -91,7 +118,12 @@ class _Pass:
         self.observation, self.image, self.options = observation, image, options
         metadata = observation.job.get("metadata") or {}
         self.generation: int | None = metadata.get("generation")
-        self.pods = owned_pods(observation.pods, metadata.get("uid"))
+        owned = owned_pods(observation.pods, metadata.get("uid"))
+        self.pods = [p for p in owned if not is_profiling_pod(p)]
+        """The trainer pods (ranks of attempts)."""
+        self.profiling = [p for p in owned if is_profiling_pod(p)]
+        self.model: ProfiledModel | None = None
+        """The model planned from its profile (a job without spec.model.architecture), once known."""
         self.decision = Decision(status=_read_status(observation.job.get("status")))
         self.previous_phase = self.decision.status.phase
 
@@ -126,6 +158,20 @@ class _Pass:
         self.decision.delete.extend(p["metadata"]["name"] for p in pods)
 
 
+def wanted_profile(raw: Mapping[str, Any]) -> str | None:
+    """The name of the profile ConfigMap a job needs observed (its launched spec's, else its spec's): None when the
+    job types its model's sizes, or its spec is invalid."""
+    try:
+        spec = _read_status(raw.get("status")).launched_spec
+        if spec is None:
+            spec = FineTuneJob.model_validate(
+                {k: raw[k] for k in ("apiVersion", "kind", "metadata", "spec") if k in raw}
+            ).spec
+    except ValidationError:
+        return None
+    return None if spec.model.architecture is not None else profile_config_map_name(spec)
+
+
 def _read_status(raw: Mapping[str, Any] | None) -> FineTuneJobStatus:
     """The status memfit wrote before (a fresh one for a new job)."""
     return FineTuneJobStatus.model_validate(raw or {})
@@ -151,6 +197,10 @@ def reconcile(observation: Observation, image: str, options: TrainerOptions | No
     job = _accepted_job(run)
     if job is None or (status.phase is Phase.INVALID and not spec_changed):
         return run.decision  # invalid (the renderer refused it too) until the spec changes
+    if job.spec.model.architecture is not None:
+        run.delete_pods(run.profiling)  # the spec types the sizes now: no profile needed
+    elif not _profiled(run, job):
+        return run.decision
     if status.plan is None and not _plan(run, job):
         return run.decision
     assert status.plan is not None
@@ -237,21 +287,9 @@ def _reject_change(run: _Pass, why: str) -> None:
 def _plan(run: _Pass, job: FineTuneJob) -> bool:
     """Plan a job that has no plan yet; False (and phase Unschedulable) when nothing fits."""
     status = run.status
-    if job.spec.model.architecture is None:
-        message = (
-            "spec.model.architecture is not given, and this operator does not profile models in the cluster yet: "
-            "give the architecture (a preset or the sizes), or plan the job offline from the model's config.json "
-            "with memfit plan --mount"
-        )
-        changed = run.condition(ConditionType.PLANNED, False, Reason.MODEL_NOT_PROFILED, message)
-        run.condition(ConditionType.READY, False, Reason.MODEL_NOT_PROFILED, message)
-        run.phase(Phase.PENDING)
-        if changed:
-            run.event("Warning", Reason.MODEL_NOT_PROFILED, message)
-        return False
     chosen: PlanCandidate | None
     try:
-        result = plan_job(job.spec, run.observation.pools, exclude=status.excluded_strategies)
+        result = plan_job(job.spec, run.observation.pools, exclude=status.excluded_strategies, model=run.model)
     except PlanningError as error:
         chosen, advice = None, str(error)
     else:
@@ -268,6 +306,81 @@ def _plan(run: _Pass, job: FineTuneJob) -> bool:
     run.condition(ConditionType.READY, True, Reason.SPEC_ACCEPTED, "the spec is valid and planned")
     run.event("Normal", Reason.PLANNED, _plan_message(chosen))
     return True
+
+
+def _profiled(run: _Pass, job: FineTuneJob) -> bool:
+    """The profile of a job's model that types no sizes, in ``run.model``: from its ConfigMap, else from the job's
+    profiling pod (stored in the ConfigMap by this pass). False while there is none: the profiling pod is created
+    or awaited (phase Pending, Planned=False reason Profiling), or it could not profile the model (Invalid)."""
+    spec = job.spec
+    stored_name = profile_config_map_name(spec)
+    stored = next((c for c in run.observation.profiles if (c.get("metadata") or {}).get("name") == stored_name), None)
+    if stored is not None:
+        try:
+            run.model = ProfiledModel(profile_of(stored))
+        except ValueError as error:
+            _model_unreadable(run, spec, f"ConfigMap {stored_name} holds no profile memfit reads ({error}); delete "
+                                         "it to profile the model again")  # fmt: skip
+            return False
+        run.delete_pods(run.profiling)  # the result is stored: the finished pod has done its part
+        return True
+    name = profiling_pod_name(job, run.generation or 0)
+    run.delete_pods([p for p in run.profiling if p["metadata"]["name"] != name])  # made for an older spec
+    pod = next((p for p in run.profiling if p["metadata"]["name"] == name), None)
+    if pod is None:
+        run.decision.create.append(profiling_pod(job, run.generation or 0, run.image))
+        _profiling(run, spec, name, "")
+        return False
+    outcome, detail = profiling_outcome(pod)
+    if outcome is Outcome.FAILED:
+        _model_unreadable(run, spec, f"{detail} (pod {name})")
+        return False
+    if outcome is not Outcome.SUCCEEDED:
+        _profiling(run, spec, name, detail)
+        return False
+    try:
+        profile = decode_profile_message(detail)
+        run.model = ProfiledModel(profile)
+    except (ProfileMessageError, ValueError) as error:
+        _model_unreadable(run, spec, f"pod {name} reported no profile memfit reads: {error}")
+        return False
+    run.decision.create.append(profile_config_map(job, profile))
+    run.event("Normal", Reason.PROFILED, f"{_profile_summary(profile)}; stored in ConfigMap {stored_name} for "
+                                         f"every job of {model_reference(spec)}")  # fmt: skip
+    return True
+
+
+def _profile_summary(profile: ModelProfile) -> str:
+    count = profile.total_parameters
+    size = f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.2f}M" if count >= 1e6 else f"{count:,}"
+    return (f"profiled {profile.architecture} ({profile.model_type}, {size} parameters, config.json "
+            f"sha256 {profile.config_sha256[:12]}...)")  # fmt: skip
+
+
+def _profiling(run: _Pass, spec: FineTuneJobSpec, pod: str, detail: str) -> None:
+    """Waiting for the profiling pod: Pending, Planned=False reason Profiling (an Event when that is new)."""
+    if run.status.plan is not None:
+        return  # planned before its profile ConfigMap went: nothing to report while it is made again
+    message = f"profiling {profiled_path(spec)} from its config.json (pod {pod})"
+    changed = run.condition(ConditionType.PLANNED, False, Reason.PROFILING, message)
+    run.condition(ConditionType.READY, False, Reason.PROFILING, message + (f": {detail}" if detail else ""))
+    run.phase(Phase.PENDING)
+    if changed:
+        run.event("Normal", Reason.PROFILING, message)
+
+
+def _model_unreadable(run: _Pass, spec: FineTuneJobSpec, why: str) -> None:
+    """The model cannot be profiled: Invalid until the spec changes (Failed once launched)."""
+    message = f"{model_reference(spec)} cannot be planned from its profile: {why}"
+    if run.status.launched_spec is not None:
+        _fail(run, Reason.MODEL_UNREADABLE, message)
+        return
+    message += "; fix the model and change the job's spec (or create the job again) to profile it again"
+    changed = run.condition(ConditionType.PLANNED, False, Reason.MODEL_UNREADABLE, message)
+    run.condition(ConditionType.READY, False, Reason.MODEL_UNREADABLE, message)
+    run.phase(Phase.INVALID)
+    if changed:
+        run.event("Warning", Reason.MODEL_UNREADABLE, message)
 
 
 def _plan_message(plan: PlanCandidate) -> str:
@@ -395,7 +508,8 @@ def _wait_for_ranks(
 def _attempt_objects(
     run: _Pass, job: FineTuneJob, plan: PlanCandidate, pool: GPUPool, number: int
 ) -> list[dict[str, Any]]:
-    config = render_trainer_config(job, plan, peak_flops=peak_flops(pool_capacity(pool), plan.strategy.precision))
+    flops = peak_flops(pool_capacity(pool), plan.strategy.precision)
+    config = render_trainer_config(job, plan, peak_flops=flops, planned=run.model)
     return attempt_objects(job, plan, pool, config, number, run.image, run.options)
 
 
@@ -469,7 +583,9 @@ def _replan_after_oom(
     if not _end_attempt(run, attempt, pods, Outcome.OUT_OF_MEMORY, why, budget):
         return
     status.excluded_strategies.append(plan.strategy.identity())
-    result, layout_kept = replan_after_oom(job.spec, run.observation.pools, plan, status.excluded_strategies)
+    result, layout_kept = replan_after_oom(
+        job.spec, run.observation.pools, plan, status.excluded_strategies, model=run.model
+    )
     if result.chosen is None:
         advice = "; ".join(result.advice)
         _fail(run, Reason.NO_LEANER_PLAN, f"{why}; no leaner strategy fits the declared GPUPools. {advice}".strip())

@@ -130,6 +130,36 @@ def _unschedulable(name: str, status: Mapping[str, Any]) -> str:
     return ""
 
 
+def profiling_outcome(pod: Mapping[str, Any]) -> tuple[Outcome, str]:
+    """How a profiling pod stands (memfit_trainer.profile --termination-log): SUCCEEDED with its termination
+    message (the encoded profile), FAILED with its one line, else PENDING or RUNNING (with the scheduler's word
+    on a pod that waits for a node)."""
+    name = pod.get("metadata", {}).get("name", "?")
+    status = pod.get("status") or {}
+    phase = status.get("phase", "Pending")
+    for container in status.get("containerStatuses") or []:
+        terminated = _termination(container)
+        if not terminated:
+            continue
+        code, message = terminated.get("exitCode", 0), terminated.get("message") or ""
+        if code == 0:
+            if message:
+                return Outcome.SUCCEEDED, message
+            return Outcome.FAILED, "the profiler exited 0 but left no profile in its termination message"
+        if terminated.get("reason") == "OOMKilled":
+            return Outcome.FAILED, "the profiler ran out of host memory (OOMKilled)"
+        reported = _trainer_message(message)
+        if reported is not None and reported[0] is Outcome.CONFIG_ERROR:
+            return Outcome.FAILED, str(json.loads(message).get("message"))
+        return Outcome.FAILED, f"the profiler failed with exit code {code} ({terminated.get('reason') or 'Error'})"
+    if phase == "Failed":
+        why = status.get("message") or status.get("reason") or "failed"
+        return Outcome.FAILED, f"the profiling pod failed: {why}"
+    if phase == "Pending":
+        return Outcome.PENDING, _unschedulable(name, status)
+    return Outcome.RUNNING, ""
+
+
 @dataclass(frozen=True)
 class GangState:
     """An attempt's pods together: the gang fails as soon as one rank does."""

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +29,8 @@ from memfit.api.loading import load_documents
 from memfit.api.vocabulary import MANAGED_BY, MANAGED_BY_LABEL
 from memfit.contract.engines import DeepSpeedEngineSection
 from memfit.planner.search import plan_job
+from memfit.profile import ModelProfile
+from memfit.profiled_model import ProfiledModel
 from memfit.render.trainer_config import render_trainer_config
 from memfit_operator import objects as operator_objects
 from memfit_operator.objects import ATTEMPT_LABEL, JOB_LABEL, RESTRICTED_SECURITY_CONTEXT, job_label
@@ -46,6 +51,7 @@ from tests.k8s.cluster import (
     wait_for,
 )
 from tests.k8s.operator_process import OperatorProcess
+from tests.trainer.new_families import tiny_config
 from tests.trainer.test_metrics import trainer_config
 
 pytestmark = pytest.mark.k8s
@@ -617,3 +623,115 @@ def test_a_child_the_api_server_refuses_is_reported_on_the_job(
         assert "Traceback" not in process.log.read_text()  # said once, as a warning, not as a crash
     finally:
         process.stop()
+
+
+# ================================================================================================
+# A model without typed sizes: profiled in the cluster
+# ================================================================================================
+
+
+def profiled_job_manifest(name: str, claim_path: str) -> dict[str, Any]:
+    """The example job without spec.model.architecture, its model on the claim `models` at ``claim_path``."""
+    manifest = job_manifest(name, method="lora", resources={"pool": "l4", "maxGPUs": 1})
+    manifest["spec"]["training"]["globalBatchSize"] = 8
+    manifest["spec"]["lora"]["dropout"] = 0  # peft adapts the fused experts in place, without dropout
+    manifest["spec"]["model"] = {"name": "tiny-qwen3-moe", "source": {"pvc": "models", "path": claim_path}}
+    return manifest
+
+
+def run_profiling_pod(api: client.ApiClient, kubelet: Kubelet, pod: client.V1Pod, claim: Path, work: Path) -> int:
+    """The kubelet's part: run the profiling pod's command exactly as its container would (the same argv, the
+    claim's directory where the pod mounts it, a temporary file as its termination log), then write the exit
+    code and the termination message into the pod's status."""
+    [container] = pod.spec.containers
+    mounts = {m.name: m.mount_path for m in container.volume_mounts}
+    assert mounts["model"] == "/mnt/model" and container.termination_message_path == "/dev/termination-log"
+    log = work / "termination-log"
+    argv = [arg.replace(mounts["model"], str(claim), 1) if arg.startswith(mounts["model"]) else arg
+            for arg in container.command]  # fmt: skip
+    argv = [str(log) if arg == container.termination_message_path else arg for arg in argv]
+    assert argv[:3] == ["python", "-m", "memfit_trainer.profile"]
+    env = {**os.environ, **{e.name: e.value for e in container.env if e.value is not None}}
+    env.update({"HOME": str(work), "TMPDIR": str(work), "XDG_CACHE_HOME": str(work), "HF_HOME": str(work / "hf")})
+    done = subprocess.run([sys.executable, *argv[1:]], env=env, capture_output=True, text=True, check=False)
+    message = log.read_text(encoding="utf-8") if log.exists() else None
+    reason = "Completed" if done.returncode == 0 else "Error"
+    kubelet.terminate(NAMESPACE, pod.metadata.name, done.returncode, reason=reason, message=message)
+    return done.returncode
+
+
+def profiling_pod(api: client.ApiClient, job: str) -> client.V1Pod:
+    def found() -> client.V1Pod | None:
+        items = [p for p in pods(api, job) if (p.metadata.labels or {}).get(operator_objects.PROFILING_LABEL)]
+        return items[0] if items else None
+
+    return wait_for(f"the profiling pod of {job}", found)
+
+
+def test_a_job_without_typed_sizes_is_profiled_in_a_pod_then_planned_and_launched(
+    api: client.ApiClient, operator: OperatorProcess, kubelet: Kubelet, tmp_path: Path
+) -> None:
+    claim = tmp_path / "models"
+    (claim / "qwen").mkdir(parents=True)
+    (claim / "qwen" / "config.json").write_text(tiny_config("qwen3_moe").to_json_string(), encoding="utf-8")
+    manifest = profiled_job_manifest("profiled", "qwen/")
+    created = create_job(api, manifest)
+    pod = profiling_pod(api, "profiled")
+    assert pod.metadata.name == "profiled-profile-g1"
+    assert pod.metadata.owner_references[0].uid == created["metadata"]["uid"]
+    [container] = pod.spec.containers
+    assert set(container.resources.requests) == {"cpu", "memory"} and pod.spec.restart_policy == "Never"
+    job = wait_for("phase Pending, profiling", lambda: phase_is(api, "profiled", "Pending"))
+    assert (condition(job, "Planned")["status"], condition(job, "Planned")["reason"]) == ("False", "Profiling")
+    assert wait_for("a Profiling event", lambda: has_event(api, "profiled", "Profiling"))
+
+    assert run_profiling_pod(api, kubelet, pod, claim, tmp_path) == 0
+    job = wait_for("phase Launching", lambda: phase_is(api, "profiled", "Launching"))
+    spec = FineTuneJob.model_validate(created).spec
+    core = client.CoreV1Api(api)
+    stored = core.read_namespaced_config_map(operator_objects.profile_config_map_name(spec), NAMESPACE)
+    assert stored.immutable is True and not stored.metadata.owner_references
+    profile = ModelProfile.model_validate_json(stored.data[operator_objects.PROFILE_FILE])
+    assert profile.model_type == "qwen3_moe" and profile.activations is not None
+    assert stored.metadata.labels[operator_objects.CONFIG_SHA256_LABEL] == profile.config_sha256[:63]
+    assert stored.metadata.annotations[operator_objects.MODEL_REFERENCE_ANNOTATION] == "pvc:models/qwen"
+    model = ProfiledModel(profile)
+    plan = plan_job(spec, load_documents(ROOT / "examples" / "inventory.yaml").pools, model=model).chosen
+    assert job["status"]["plan"] == plan.to_api()
+    assert condition(job, "Planned")["status"] == "True"
+    launched(api, "profiled", 1, plan.strategy.nodes)
+    config_map = core.read_namespaced_config_map("profiled-a1", NAMESPACE)
+    trainer = json.loads(config_map.data[operator_objects.CONFIG_FILE])
+    assert trainer["model"]["plannedFields"] == model.planned_fields()
+    assert trainer["model"]["nameOrPath"] == "/mnt/model/qwen"
+    assert wait_for("a Profiled event", lambda: has_event(api, "profiled", "Profiled"))
+    assert wait_for("the profiling pod removed", lambda: not client.CoreV1Api(api).list_namespaced_pod(
+        NAMESPACE, field_selector="metadata.name=profiled-profile-g1").items)  # fmt: skip
+
+    # A second job of the same model plans from the stored profile: no profiling pod.
+    create_job(api, profiled_job_manifest("profiled-again", "/qwen"))
+    launched(api, "profiled-again", 1, plan.strategy.nodes)
+    assert read_job(api, "profiled-again")["status"]["plan"] == plan.to_api()
+    assert not [
+        p for p in pods(api, "profiled-again") if (p.metadata.labels or {}).get(operator_objects.PROFILING_LABEL)
+    ]
+    assert not has_event(api, "profiled-again", "Profiling")
+
+
+def test_a_claim_without_config_json_makes_the_job_invalid_with_the_profilers_line(
+    api: client.ApiClient, operator: OperatorProcess, kubelet: Kubelet, tmp_path: Path
+) -> None:
+    claim = tmp_path / "models"
+    (claim / "empty").mkdir(parents=True)
+    create_job(api, profiled_job_manifest("unprofiled", "empty/"))
+    pod = profiling_pod(api, "unprofiled")
+    assert run_profiling_pod(api, kubelet, pod, claim, tmp_path) == 2
+    job = wait_for("phase Invalid", lambda: phase_is(api, "unprofiled", "Invalid"))
+    planned = condition(job, "Planned")
+    assert (planned["status"], planned["reason"]) == ("False", "ModelUnreadable")
+    # The profiler's own line (in a pod it names /mnt/model/empty; here the claim's directory stands in).
+    assert f"{claim / 'empty'}: no config.json in this directory (pod unprofiled-profile-g1)" in planned["message"]
+    [warning] = wait_for("a ModelUnreadable event", lambda: has_event(api, "unprofiled", "ModelUnreadable"))
+    assert warning[0] == "Warning" and "no config.json" in warning[2]
+    assert [p.metadata.name for p in pods(api, "unprofiled")] == ["unprofiled-profile-g1"]  # kept for its logs
+    assert "Forbidden" not in operator.log.read_text()

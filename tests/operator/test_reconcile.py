@@ -21,7 +21,7 @@ from memfit.api.gpupool import GPUPool
 from memfit.api.loading import load_documents
 from memfit.api.vocabulary import MANAGED_BY, MANAGED_BY_LABEL, Phase
 from memfit.units import GIB
-from memfit_operator.objects import ATTEMPT_LABEL, CONFIG_FILE, RANK_LABEL, TrainerOptions
+from memfit_operator.objects import ATTEMPT_LABEL, CONFIG_FILE, PROFILE_LABEL, RANK_LABEL, TrainerOptions
 from memfit_operator.reconcile import Decision, Event, Observation, reconcile
 
 ROOT = Path(__file__).parent.parent.parent
@@ -64,7 +64,9 @@ class FakeCluster:
         # Round-trip through JSON: reconcile sees plain data, as the API server returns it.
         job = json.loads(json.dumps(self.job))
         pods = [json.loads(json.dumps(p)) for p in self.pods.values()]
-        return Observation(job=job, pods=pods, pools=list(self.pools), progress=progress, now=now)
+        profiles = [json.loads(json.dumps(o)) for (kind, _), o in self.others.items()
+                    if kind == "ConfigMap" and PROFILE_LABEL in o["metadata"].get("labels", {})]  # fmt: skip
+        return Observation(job=job, pods=pods, pools=list(self.pools), progress=progress, now=now, profiles=profiles)
 
     def step(self, progress: Progress | None = None) -> Decision:
         observation = self.observe(progress)
@@ -1029,19 +1031,6 @@ def test_a_job_too_large_for_the_pools_is_unschedulable() -> None:
     decision = cluster.step()
     assert decision.status.phase is Phase.UNSCHEDULABLE and decision.create == []
     assert "nothing fits" in cluster.condition("Planned")["message"]
-
-
-def test_a_job_without_typed_sizes_waits_for_profiling_with_a_condition_and_an_event() -> None:
-    document = job_document()
-    del document["spec"]["model"]["architecture"]
-    cluster = FakeCluster(document)
-    decision = cluster.step()
-    assert decision.status.phase is Phase.PENDING and decision.status.plan is None and decision.create == []
-    planned = cluster.condition("Planned")
-    assert (planned["status"], planned["reason"]) == ("False", "ModelNotProfiled")
-    assert "spec.model.architecture is not given" in planned["message"]
-    assert reasons(decision.events) == [("Warning", "ModelNotProfiled")]
-    assert quiet(cluster.step())
 
 
 def test_a_job_naming_a_missing_pool_is_unschedulable() -> None:

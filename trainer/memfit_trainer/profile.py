@@ -7,7 +7,10 @@ would wrap come from transformers' and peft's own rules, applied to the same met
 
 ``python -m memfit_trainer.profile PATH [-o json] [--lora-targets q_proj,v_proj] [--activations]`` prints the
 profile as JSON (``memfit profile`` renders it; ``--activations`` adds the traced activation terms of
-``memfit_trainer.activation_profile``); bad input exits 2 with one line.
+``memfit_trainer.activation_profile``); bad input exits 2 with one line. ``--hub`` reads PATH as a Hugging Face
+Hub repository id (its config.json only, with ``HF_TOKEN`` where set). ``--termination-log FILE`` (the
+operator's profiling pod) also writes the profile to FILE as ``memfit.contract.profile_message`` encodes it,
+or on bad input the one line as a ConfigError termination message (``memfit.contract.termination``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from memfit.api.vocabulary import TerminationReason
+from memfit.contract.profile_message import ProfileMessageError, encode_profile_message
+from memfit.contract.termination import fitted_message, write_termination_message
 from memfit.profile import (
     Experts,
     LoraModules,
@@ -58,6 +64,38 @@ def read_config(path: Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise ProfileError(f"{file}: not a JSON object")
     return config
+
+
+def read_hub_config(repo_id: str) -> dict[str, Any]:
+    """The config.json of a Hub repository (nothing else is downloaded); ``HF_TOKEN`` is used where set."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+    )
+
+    # Subclasses first: no local copy offline is an EntryNotFoundError too, a gated repository a missing one.
+    try:
+        file = hf_hub_download(repo_id, "config.json")
+    except GatedRepoError as error:
+        raise ProfileError(f"{repo_id}: the Hub refuses access to this gated repository without a token that has "
+                           "it (set model.source.tokenSecretRef)") from error  # fmt: skip
+    except RepositoryNotFoundError as error:
+        raise ProfileError(f"{repo_id}: no such Hub repository, or a private one this token cannot read "
+                           "(model.source.tokenSecretRef)") from error  # fmt: skip
+    except (OfflineModeIsEnabled, LocalEntryNotFoundError) as error:
+        raise ProfileError(f"{repo_id}: cannot reach the Hub to read config.json (offline, or no network from "
+                           "this pod)") from error  # fmt: skip
+    except EntryNotFoundError as error:
+        raise ProfileError(f"{repo_id}: the Hub repository has no config.json") from error
+    except (HfHubHTTPError, OSError, ValueError) as error:
+        reason = " ".join(str(error).split())[:MESSAGE_LENGTH] or type(error).__name__
+        raise ProfileError(f"{repo_id}: reading config.json from the Hub failed: {reason}") from error
+    return read_config(Path(file))
 
 
 def build_meta_model(config: dict[str, Any]) -> Any:
@@ -284,19 +322,33 @@ def profile(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="memfit_trainer.profile")
-    parser.add_argument("path", type=Path, help="a directory holding config.json, or the config.json")
+    parser.add_argument("path", help="a directory holding config.json, the config.json, or with --hub a Hub id")
     parser.add_argument("-o", "--output", choices=("json",), default="json", help="output format (JSON only)")
     parser.add_argument(
         "--lora-targets", action="append", default=[], metavar="NAMES", help="comma-separated target_modules"
     )
     parser.add_argument("--activations", action="store_true", help="also trace activation bytes per layer type")
+    parser.add_argument("--hub", action="store_true", help="PATH is a Hugging Face Hub repository id")
+    parser.add_argument(
+        "--termination-log",
+        metavar="FILE",
+        help="also write the profile (base64 of the gzipped JSON) or the one-line error to FILE (a pod's "
+        "termination message)",
+    )
     args = parser.parse_args(argv)
     try:
         targets = [tuple(names.split(",")) for names in args.lora_targets]
-        result = profile(read_config(args.path), targets, args.activations)
-    except ProfileError as error:
+        config = read_hub_config(args.path) if args.hub else read_config(Path(args.path))
+        result = profile(config, targets, args.activations)
+        message = encode_profile_message(result) if args.termination_log else None
+    except (ProfileError, ProfileMessageError) as error:
+        if args.termination_log:
+            refusal = fitted_message({"reason": TerminationReason.CONFIG_ERROR}, str(error))
+            write_termination_message(refusal, args.termination_log)
         print(f"memfit profile: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if message is not None:
+        write_termination_message(message, args.termination_log)
     print(result.model_dump_json())
     return 0
 
