@@ -345,17 +345,24 @@ def cpus_per_rank(plan: PlanCandidate) -> int:
     return CPUS_PER_RANK_OFFLOADING if offloading else CPUS_PER_RANK
 
 
-def _environment(job: FineTuneJob, plan: PlanCandidate) -> list[dict[str, Any]]:
-    env: list[dict[str, Any]] = [
-        {"name": "OMP_NUM_THREADS", "value": str(cpus_per_rank(plan) * CPU_LIMIT_FACTOR)},
+def _python_environment(job: FineTuneJob, threads: str) -> list[dict[str, Any]]:
+    """What every memfit container runs Python with: its threads, the job's name, and (the root filesystem is
+    read-only) the temporary, home and cache directories in writable volumes."""
+    return [
+        {"name": "OMP_NUM_THREADS", "value": threads},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
         {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
         {"name": "MEMFIT_JOB", "value": f"{job.metadata.namespace}/{job.metadata.name}"},
-        # The root filesystem is read-only: every cache and home directory points into a writable volume.
         {"name": "TMPDIR", "value": TMP_DIR},
         {"name": "HOME", "value": CACHE_DIR},
         {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
         {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+    ]
+
+
+def _environment(job: FineTuneJob, plan: PlanCandidate) -> list[dict[str, Any]]:
+    env = _python_environment(job, str(cpus_per_rank(plan) * CPU_LIMIT_FACTOR)) + [
+        # Every other cache of the trainer's libraries into the writable cache volume, too.
         {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
         {"name": "TORCHINDUCTOR_CACHE_DIR", "value": f"{CACHE_DIR}/torchinductor"},
         {"name": "CUDA_CACHE_PATH", "value": f"{CACHE_DIR}/nv"},
@@ -633,16 +640,7 @@ def profiling_pod(job: FineTuneJob, generation: int, image: str) -> dict[str, An
         {"name": "tmp", "mountPath": TMP_DIR},
         {"name": "cache", "mountPath": CACHE_DIR},
     ]
-    env: list[dict[str, Any]] = [
-        {"name": "OMP_NUM_THREADS", "value": PROFILING_LIMITS["cpu"]},
-        {"name": "PYTHONUNBUFFERED", "value": "1"},
-        {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
-        {"name": "MEMFIT_JOB", "value": f"{job.metadata.namespace}/{job.metadata.name}"},
-        {"name": "TMPDIR", "value": TMP_DIR},
-        {"name": "HOME", "value": CACHE_DIR},
-        {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
-        {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
-    ]
+    env = _python_environment(job, PROFILING_LIMITS["cpu"])
     source = spec.model.source
     if source is not None and source.pvc is not None:
         claim = {"claimName": source.pvc, "readOnly": True}
