@@ -25,7 +25,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from memfit.api.base import API_VERSION, GROUP
+from memfit.api.base import API_VERSION, GROUP, SecretKeyRef
 from memfit.api.finetunejob import FineTuneJob, FineTuneJobSpec
 from memfit.api.gpupool import GPU_PRODUCT_LABEL, GPUPool, pool_capacity
 from memfit.api.plan import PlanCandidate
@@ -345,6 +345,32 @@ def cpus_per_rank(plan: PlanCandidate) -> int:
     return CPUS_PER_RANK_OFFLOADING if offloading else CPUS_PER_RANK
 
 
+def _pod(metadata: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    """A Pod that runs once (no restart: the operator decides what follows), with no API credentials, as a
+    non-root user under the runtime's seccomp profile."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": metadata,
+        "spec": {
+            "restartPolicy": "Never",
+            "automountServiceAccountToken": False,
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": 10001,
+                "fsGroup": 10001,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            **spec,
+        },
+    }
+
+
+def _hub_token(secret: SecretKeyRef) -> dict[str, Any]:
+    """``HF_TOKEN`` from the job's Secret (the token itself never appears in a spec)."""
+    return {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}}}
+
+
 def _python_environment(job: FineTuneJob, threads: str) -> list[dict[str, Any]]:
     """What every memfit container runs Python with: its threads, the job's name, and (the root filesystem is
     read-only) the temporary, home and cache directories in writable volumes."""
@@ -370,8 +396,7 @@ def _environment(job: FineTuneJob, plan: PlanCandidate) -> list[dict[str, Any]]:
     ]
     source = job.spec.model.source
     if source is not None and source.token_secret_ref is not None:
-        secret = source.token_secret_ref
-        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}}})
+        env.append(_hub_token(source.token_secret_ref))
     if source is None or source.pvc is not None:
         env.append({"name": "HF_HUB_OFFLINE", "value": "1"})  # weights are on a volume: never reach out
     return env
@@ -433,23 +458,13 @@ def trainer_pod(
         {k: v for k, v in job.metadata.labels.items() if k.startswith(PASSTHROUGH_LABEL_PREFIXES)}
     )
     metadata["annotations"] = {"prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT)}
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": metadata,
-        "spec": {
-            "restartPolicy": "Never",
+    return _pod(
+        metadata,
+        {
             "hostname": hostname(job, node_rank),
             "subdomain": service_name(job),
-            "automountServiceAccountToken": False,
             "nodeSelector": {**pool.spec.node_selector, GPU_PRODUCT_LABEL: capacity.product},
             "tolerations": [t.to_api() for t in pool.spec.tolerations],
-            "securityContext": {
-                "runAsNonRoot": True,
-                "runAsUser": 10001,
-                "fsGroup": 10001,
-                "seccompProfile": {"type": "RuntimeDefault"},
-            },  # fmt: skip
             "terminationGracePeriodSeconds": 60,
             "volumes": volumes,
             "containers": [
@@ -470,7 +485,7 @@ def trainer_pod(
                 }
             ],
         },
-    }
+    )
 
 
 def network_policy(job: FineTuneJob, plan: PlanCandidate, attempt: int, options: TrainerOptions) -> dict[str, Any]:
@@ -648,22 +663,11 @@ def profiling_pod(job: FineTuneJob, generation: int, image: str) -> dict[str, An
         mounts.append({"name": "model", "mountPath": POD_MOUNTS.model, "readOnly": True})
         env.append({"name": "HF_HUB_OFFLINE", "value": "1"})  # the config is on the claim: never reach out
     elif source is not None and source.token_secret_ref is not None:
-        secret = source.token_secret_ref
-        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}}})
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": metadata,
-        "spec": {
-            "restartPolicy": "Never",
-            "automountServiceAccountToken": False,
+        env.append(_hub_token(source.token_secret_ref))
+    return _pod(
+        metadata,
+        {
             "activeDeadlineSeconds": PROFILING_DEADLINE_SECONDS,
-            "securityContext": {
-                "runAsNonRoot": True,
-                "runAsUser": 10001,
-                "fsGroup": 10001,
-                "seccompProfile": {"type": "RuntimeDefault"},
-            },  # fmt: skip
             "volumes": volumes,
             "containers": [
                 {
@@ -681,4 +685,4 @@ def profiling_pod(job: FineTuneJob, generation: int, image: str) -> dict[str, An
                 }
             ],
         },
-    }
+    )
