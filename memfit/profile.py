@@ -23,7 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 PROFILE_VERSION = 3
 """Bumped when a field changes meaning; a reader refuses a profile of another version (2: ``activations``;
-3: attention widths, and activations traced for full fine-tuning and for LoRA on packed rows)."""
+3: attention widths, and activations traced for full fine-tuning and for LoRA on packed rows, with the loss's
+backward, and checkpointed)."""
 
 
 class Role(StrEnum):
@@ -172,6 +173,12 @@ class ActivationTerms(_Frozen):
     outside_layers: ActivationTerm
     """Alive at the end of the forward outside the decoder layers: embedding output, masks, rotary tables,
     final norm, logits and loss."""
+    loss_backward: ActivationTerm
+    """Above what was alive when the forward ended, the most the backward adds before the decoder layers'
+    backward begins: the loss's, the LM head's and the final norm's gradients."""
+    outside_backward: ActivationTerm
+    """Alive when the decoder layers' backward begins beyond what they saved: the masks, the rotary tables, the
+    embedding's output and the gradient arriving at the last layer, which every layer's backward stands on."""
     layers: tuple[LayerActivations, ...]
     """One per layer type."""
 
@@ -187,16 +194,19 @@ class ActivationTerms(_Frozen):
 
 class ActivationProfile(_Frozen):
     """Activation terms traced from a truncated copy of the model (one layer of each type, real widths): a
-    training micro-batch of one row in bf16, forward and backward, gradient checkpointing off, under
-    FakeTensorMode with torch's MemTracker (``memfit_trainer.activation_profile``). The row holds two packed
-    documents (restarting ``position_ids``, as the trainer packs), so the attention mask ``transformers`` builds
-    for packed rows is traced with the rest."""
+    training micro-batch of one row in bf16, forward and backward, under FakeTensorMode with torch's MemTracker
+    (``memfit_trainer.activation_profile``), without and with gradient checkpointing (a checkpointed layer keeps
+    its input, and its recomputation is part of its backward peak). The row holds two packed documents
+    (restarting ``position_ids``, as the trainer packs), so the attention mask ``transformers`` builds for packed
+    rows is traced with the rest."""
 
     dtype: str
     micro_batch: int = Field(ge=1)
     attention: str
     full: ActivationTerms
     """Full fine-tuning: every parameter trained."""
+    full_checkpointed: ActivationTerms
+    """Full fine-tuning, the decoder layers checkpointed as the trainer checkpoints them."""
     lora: ActivationTerms | None
     """LoRA on ``all-linear`` at rank ``lora_rank`` with dropout ``lora_dropout``, adapters in bf16 (as the
     trainer casts them): the most any LoRA target set keeps (fewer targets, or no dropout, keep less). Each
@@ -204,6 +214,8 @@ class ActivationProfile(_Frozen):
     model's first layer keeps less, so the terms count it high. Dropout is 0 where peft adapts fused experts
     or a router in place (it refuses dropout there). None when the adapted model cannot train
     (``lora_failure``)."""
+    lora_checkpointed: ActivationTerms | None
+    """LoRA as ``lora``, the decoder layers checkpointed."""
     lora_rank: int = Field(ge=1)
     lora_dropout: float = Field(ge=0, lt=1)
     lora_failure: str | None = None

@@ -9,6 +9,7 @@ that the terms compose. The packed row's attention mask is checked against a row
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ pytest.importorskip("transformers")
 from memfit.api.vocabulary import Attention, Method, Precision  # noqa: E402
 from memfit.cli.profile_command import _activation_facts  # noqa: E402
 from memfit.memory.activations import ActivationSetup, saved_per_layer  # noqa: E402
+from memfit.memory.profiled_activations import composed  # noqa: E402
 from memfit.model_shape import ModelFamily, ModelShape  # noqa: E402
 from memfit.profile import ActivationProfile, ActivationTerm, ActivationTerms  # noqa: E402
 from memfit_trainer.activation_profile import (  # noqa: E402
@@ -128,6 +130,10 @@ def test_terms_are_exact_and_predict_a_held_out_count_and_a_whole_model(
         assert layer.backward_peak == terms_of_type.backward_peak.bytes(HELD_OUT)
     predicted = traced.forward_end_bytes(kinds, HELD_OUT)
     assert abs(predicted - whole.forward_end) <= 0.05 * whole.forward_end
+    method = Method.FULL if setup == "full" else Method.LORA
+    plan = ActivationSetup(method, Precision.BF16, False, 1, HELD_OUT, Attention(profile.attention))
+    peak = composed(traced, kinds, int(text.hidden_size), plan).peak
+    assert abs(peak - whole.peak) <= 0.05 * whole.peak, (peak, whole.peak)
 
 
 @pytest.mark.slow
@@ -232,3 +238,23 @@ def test_llama_traced_layer_against_memfits_formula(profiles: dict[str, Activati
         )
         ratio = traced.bytes(tokens) / saved_per_layer(shape, setup)
         assert ratio == pytest.approx(1.0, abs=0.10), ratio
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("name", ["llama", "gemma3_text", "qwen3_5_text"])
+def test_checkpointed_layers_compose_from_the_terms_within_5_percent_of_a_whole_model_trace(
+    name: str, setup: str, profiles: dict[str, ActivationProfile]
+) -> None:
+    """The checkpointed terms compose as the plain ones do: each layer keeps its output, and its backward peak
+    holds its recomputation."""
+    profile = profiles[name]
+    traced: ActivationTerms = getattr(profile, f"{setup}_checkpointed")
+    text = text_config(CONFIGS[name])
+    kinds = tuple(text.layer_types) if getattr(text, "layer_types", None) else ("full_attention",) * 2
+    checkpointed = dataclasses.replace(_setup(profile, setup), checkpointing=True)
+    whole = trace(text, kinds, HELD_OUT, profile.attention, checkpointed)
+    method = Method.FULL if setup == "full" else Method.LORA
+    plan = ActivationSetup(method, Precision.BF16, True, 1, HELD_OUT, Attention(profile.attention))
+    peak = composed(traced, kinds, int(text.hidden_size), plan).peak
+    assert abs(peak - whole.peak) <= 0.05 * whole.peak, (peak, whole.peak)

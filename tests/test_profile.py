@@ -139,17 +139,20 @@ def expand(result: ModelProfile, *, quantizable: bool) -> set[str]:
 
 @pytest.mark.parametrize("family", sorted(TINY_CONFIGS))
 def test_lora_targets_are_what_peft_wraps(family: str, profiles: dict[str, ModelProfile]) -> None:
-    from peft import LoraConfig, get_peft_model
+    """The adapters the trainer builds (its peft config) on a real model, module for module."""
+    from peft import get_peft_model
     from peft.tuners.tuners_utils import BaseTunerLayer
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memfit.contract.sections import LoraConfig
+    from memfit_trainer.model import peft_lora_config
 
     torch.manual_seed(0)
     for resolution in profiles[family].lora:
         targets = resolution.target_modules
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**tiny(family)))
-        wrapped = get_peft_model(
-            model, LoraConfig(target_modules=targets if isinstance(targets, str) else list(targets))
-        )
+        lora = LoraConfig(target_modules=[targets] if isinstance(targets, str) else list(targets), dropout=0.0)
+        wrapped = get_peft_model(model, peft_lora_config(lora, model))
         names = {
             name.removeprefix("base_model.model.")
             for name, module in wrapped.named_modules()
@@ -258,3 +261,13 @@ def test_activations_are_traced_for_full_and_lora_when_asked() -> None:
 def test_the_lm_head_stays_16_bit(profiles: dict[str, ModelProfile]) -> None:
     lm_head = [group for group in profiles["qwen3"].tensors if group.role is Role.LM_HEAD]
     assert [group.name for group in lm_head] == ["lm_head.weight"] and not lm_head[0].quantizable
+
+
+def test_all_linear_leaves_out_linears_with_a_forward_of_their_own_and_llama4_lora_trains() -> None:
+    """Llama 4's router is an ``nn.Linear`` whose forward returns a tuple: peft's adapter on it would fail in
+    the first step, so ``all-linear`` leaves it out, and the traced LoRA step of the model succeeds."""
+    result = profile(tiny("llama4_text"), activations=True)
+    (all_linear,) = [resolution for resolution in result.lora if resolution.target_modules == "all-linear"]
+    assert all_linear.modules and not any("router" in group.name for group in all_linear.modules)
+    assert result.activations is not None
+    assert result.activations.lora is not None and result.activations.lora_failure is None

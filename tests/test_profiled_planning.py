@@ -105,13 +105,17 @@ def test_profiled_activations_compose_the_traced_terms() -> None:
     terms = model.activations.full
     layer = terms.layer("full_attention")
     estimate = model_activations(model, _setup(Method.FULL, False))
-    expected = terms.outside_layers.bytes(4096) + 36 * layer.saved.bytes(4096)
-    assert estimate.loss_moment == expected
-    assert estimate.layer_moment == 36 * layer.saved.bytes(4096) + layer.backward_peak.bytes(4096)
+    outside = terms.outside_layers.bytes(4096) + terms.loss_backward.bytes(4096)
+    assert estimate.loss_moment == outside + 36 * layer.saved.bytes(4096)
+    during = terms.outside_backward.bytes(4096)
+    assert estimate.layer_moment == 36 * layer.saved.bytes(4096) + during + layer.backward_peak.bytes(4096)
     checkpointed = model_activations(model, _setup(Method.FULL, True))
-    between = 4096 * model.hidden_size * 2
-    assert checkpointed.loss_moment == 36 * between + terms.outside_layers.bytes(4096)
-    assert checkpointed.peak < estimate.peak / 5
+    traced = model.activations.full_checkpointed
+    kept = 36 * traced.layer("full_attention").saved.bytes(4096)
+    outside = traced.outside_layers.bytes(4096) + traced.loss_backward.bytes(4096)
+    assert checkpointed.loss_moment == kept + outside
+    assert kept == 36 * 4096 * model.hidden_size * 2  # each layer keeps its output, the next one's input
+    assert checkpointed.layer_moment < estimate.layer_moment / 10 and checkpointed.peak < estimate.peak / 4
 
 
 def test_rows_scale_every_term_but_its_constant() -> None:
@@ -120,7 +124,8 @@ def test_rows_scale_every_term_but_its_constant() -> None:
         model_activations(model, _setup(Method.FULL, False)),
         model_activations(model, _setup(Method.FULL, False, 4)),
     )
-    constant = model.activations.full.outside_layers.constant
+    full = model.activations.full
+    constant = full.outside_layers.constant + full.loss_backward.constant
     assert four.loss_moment == pytest.approx(4 * one.loss_moment - 3 * constant, abs=64)
 
 

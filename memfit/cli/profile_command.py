@@ -80,15 +80,23 @@ def _print_text(profile: ModelProfile, console: Console) -> None:
 def _activation_facts(activations: ActivationProfile) -> dict[str, str]:
     """One line per traced term of each setup (full fine-tuning, LoRA): bytes per token, per token squared (up
     to the window), and constant."""
-    setups = {"full": activations.full}
     lora = f"lora r{activations.lora_rank} dropout {activations.lora_dropout:g}"
+    traced_setups = {
+        "full": activations.full,
+        "full, checkpointed": activations.full_checkpointed,
+        lora: activations.lora,
+        f"{lora}, checkpointed": activations.lora_checkpointed,
+    }
+    setups = {name: terms for name, terms in traced_setups.items() if terms is not None}
     facts = {}
-    if activations.lora is not None:
-        setups[lora] = activations.lora
-    else:
+    if activations.lora_failure is not None:
         facts[f"activations ({lora})"] = f"cannot train: {activations.lora_failure}"
     for setup, traced in setups.items():
-        terms = {"outside layers": traced.outside_layers}
+        terms = {
+            "outside layers": traced.outside_layers,
+            "loss backward": traced.loss_backward,
+            "outside, in the layers' backward": traced.outside_backward,
+        }
         for layer in traced.layers:
             terms[f"{layer.layer_type} ({layer.attention}) saved"] = layer.saved
             terms[f"{layer.layer_type} ({layer.attention}) backward"] = layer.backward_peak

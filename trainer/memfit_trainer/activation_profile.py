@@ -51,6 +51,9 @@ class Setup:
     packed: bool = True
     """Two documents packed in the row (the trainer's packing); False: one document and no attention mask at all
     (an unpadded, unpacked row: SDPA's ``is_causal`` path)."""
+    checkpointing: bool = False
+    """The decoder layers checkpointed as the trainer checkpoints them (profiles trace without: the tests trace
+    with it to check how the planner composes checkpointed layers from the terms)."""
 
 
 FULL = Setup()
@@ -74,6 +77,14 @@ class Trace:
     tokens: int
     forward_end: int
     layers: tuple[LayerTrace, ...]
+    loss_backward: int = 0
+    """Above ``forward_end``, the most the backward held before the last decoder layer's backward began (the
+    loss's, the LM head's and the final norm's gradients)."""
+    outside_backward: int = 0
+    """Alive outside the decoder layers' saved bytes when the last layer's backward began (masks, rotary
+    tables, the embedding's output, the gradient arriving at the last layer)."""
+    peak: int = 0
+    """The most the step held at once beyond the model's state (parameters, buffers, gradients)."""
 
     @property
     def outside_layers(self) -> int:
@@ -150,7 +161,7 @@ def meta_model(text: Any, layer_types: Sequence[str], attention: str, setup: Set
     import torch
     from transformers import AutoModelForCausalLM
 
-    from memfit_trainer.model import with_adapters
+    from memfit_trainer.model import CHECKPOINTING, with_adapters
 
     auto_model: Any = AutoModelForCausalLM  # untyped classmethods
     with torch.device("meta"):
@@ -162,7 +173,9 @@ def meta_model(text: Any, layer_types: Sequence[str], attention: str, setup: Set
         # backward than the others: making it need one (as with gradient checkpointing) traces every layer
         # as one deeper in the stack (a whole model's first layer is then counted high, never low).
         model.enable_input_require_grads()
-        model = with_adapters(model, setup.lora, torch.bfloat16, gradient_checkpointing=False)
+        model = with_adapters(model, setup.lora, torch.bfloat16, gradient_checkpointing=setup.checkpointing)
+    elif setup.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=CHECKPOINTING)
     model.train()
     return model
 
@@ -216,7 +229,8 @@ def trace(text: Any, layer_types: Sequence[str], tokens: int, attention: str, se
         try:
             with tracker:
                 loss = model(**inputs).loss
-                forward_end = marks.now()
+                forward_end, forward_moments = marks.now(), tracker.moment_count()
+                marks.forwarding = False
                 loss.backward()
                 del loss
                 moments = [transient(moment) for moment in tracker.moments()]
@@ -231,6 +245,10 @@ def trace(text: Any, layer_types: Sequence[str], tokens: int, attention: str, se
             LayerTrace(kind, marks.saved[index], marks.backward_peak(index, moments))
             for index, kind in enumerate(layer_types)
         ),
+        loss_backward=max([forward_end, *moments[forward_moments : marks.backward_begins(len(layers) - 1)]])
+        - forward_end,
+        outside_backward=marks.held_at_backward(len(layers) - 1) - sum(marks.saved),
+        peak=max(moments),
     )
 
 
@@ -243,14 +261,20 @@ class _LayerMarks:
         self._before = [0] * count
         self._backward: list[list[int]] = [[0, 0, 0] for _ in range(count)]
         """Per layer: non-state bytes when its backward starts, first and last moment of its backward."""
+        self.forwarding = True
+        """False once the forward ended: a checkpointed layer's recomputation runs these hooks again."""
 
     def hook(self, index: int, layer: Any) -> tuple[Any, Any]:
         def before(_: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if not self.forwarding:
+                return
             self._before[index] = self.now()
             hidden = args[0] if args else kwargs["hidden_states"]
             hidden.register_hook(lambda grad: self._backward_ends(index))
 
         def after(_: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            if not self.forwarding:
+                return
             self.saved[index] = self.now() - self._before[index]
             hidden = output[0] if isinstance(output, tuple) else output
             hidden.register_hook(lambda grad: self._backward_starts(index))
@@ -265,6 +289,14 @@ class _LayerMarks:
 
     def _backward_ends(self, index: int) -> None:
         self._backward[index][2] = self.tracker.moment_count()
+
+    def held_at_backward(self, index: int) -> int:
+        """Non-state bytes alive when layer ``index``'s backward began."""
+        return self._backward[index][0]
+
+    def backward_begins(self, index: int) -> int:
+        """The moment at which layer ``index``'s backward began."""
+        return self._backward[index][1]
 
     def backward_peak(self, index: int, moments: list[int]) -> int:
         start, first, last = self._backward[index]
@@ -341,20 +373,27 @@ def activation_profile(config: dict[str, Any], tokens: Sequence[int] | None = No
     window = getattr(text, "sliding_window", None) if any("sliding" in kind for kind in kinds) else None
     attention = attention_kernel(text)
     counts = tuple(tokens or token_counts(window))
-    full_terms = activation_terms(text, kinds, attention, counts, FULL, window)
-    lora_terms: ActivationTerms | None = None
+
+    def terms(setup: Setup) -> ActivationTerms:
+        return activation_terms(text, kinds, attention, counts, setup, window)
+
+    full = terms(FULL)
+    full_checkpointed = terms(Setup(checkpointing=True))
+    lora_terms: tuple[ActivationTerms, ActivationTerms] | None = None
     failure: str | None = None
     try:
         lora = lora_of(text, kinds, attention)
-        lora_terms = activation_terms(text, kinds, attention, counts, Setup(lora=lora), window)
+        lora_terms = terms(Setup(lora=lora)), terms(Setup(lora=lora, checkpointing=True))
     except Exception as error:  # the model's own code with peft's adapters: whatever it raises, LoRA cannot train it
         lora, failure = DEFAULT_LORA, " ".join(f"{type(error).__name__}: {error}".split())[:MESSAGE_LENGTH]
     return ActivationProfile(
         dtype=DTYPE,
         micro_batch=1,
         attention=attention,
-        full=full_terms,
-        lora=lora_terms,
+        full=full,
+        full_checkpointed=full_checkpointed,
+        lora=lora_terms[0] if lora_terms else None,
+        lora_checkpointed=lora_terms[1] if lora_terms else None,
         lora_rank=lora.rank,
         lora_dropout=lora.dropout,
         lora_failure=failure,
@@ -377,4 +416,9 @@ def activation_terms(
         saved = solve([(t.tokens, t.layers[index].saved) for t in traces], windowed)
         peak = solve([(t.tokens, t.layers[index].backward_peak) for t in traces], windowed)
         layers.append(LayerActivations(layer_type=kind, attention=attention, saved=saved, backward_peak=peak))
-    return ActivationTerms(outside_layers=solve([(t.tokens, t.outside_layers) for t in traces]), layers=tuple(layers))
+    return ActivationTerms(
+        outside_layers=solve([(t.tokens, t.outside_layers) for t in traces]),
+        loss_backward=solve([(t.tokens, t.loss_backward) for t in traces]),
+        outside_backward=solve([(t.tokens, t.outside_backward) for t in traces]),
+        layers=tuple(layers),
+    )

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from memfit.api.vocabulary import Attention, Engine, Method, Precision
+from memfit.api.vocabulary import ALL_LINEAR, Attention, Engine, Method, Precision
 from memfit.contract.engines import DeepSpeedEngineSection
 from memfit.contract.model_match import fields_mismatch, shape_mismatch
 from memfit.contract.reader import ConfigError
@@ -238,19 +238,31 @@ def check_planned_shape(model_config: ModelConfig, loaded: Any = None) -> None:
         raise ConfigError(problem)
 
 
-def peft_lora_config(lora: LoraConfig) -> Any:
-    """peft's ``LoraConfig`` for the config's ``training.lora`` section (causal-LM adapters)."""
+def peft_lora_config(lora: LoraConfig, model: Any) -> Any:
+    """peft's ``LoraConfig`` for the config's ``training.lora`` section (causal-LM adapters) on ``model``."""
     from peft import LoraConfig as PeftLoraConfig
 
-    targets: str | list[str] = "all-linear" if lora.target_modules == ["all-linear"] else list(lora.target_modules)
+    all_linear = lora.target_modules == [ALL_LINEAR]
+    targets: str | list[str] = ALL_LINEAR if all_linear else list(lora.target_modules)
     # peft annotates lora_alpha as int, but it only divides it by r: a float alpha is used as given.
     return PeftLoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,  # type: ignore[arg-type]
         lora_dropout=lora.dropout,
         target_modules=targets,
+        exclude_modules=(not_plain_linears(model) or None) if all_linear else None,
         task_type="CAUSAL_LM",
     )
+
+
+def not_plain_linears(model: Any) -> list[str]:
+    """``nn.Linear`` subclasses with a forward of their own (Llama 4's router returns a tuple): peft's
+    ``all-linear`` would wrap them and its ``lora.Linear`` expects a tensor back, so they keep no adapter."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and type(module).forward is not torch.nn.Linear.forward
+    ]
 
 
 def trains_adapters(method: Method) -> bool:
@@ -289,7 +301,7 @@ def with_adapters(model: Any, lora: LoraConfig, dtype: torch.dtype, gradient_che
     in ``dtype`` (:func:`cast_trainable`). Also what the activation profiler traces (on a meta-device model)."""
     from peft import get_peft_model
 
-    wrapped = get_peft_model(prepare_adapter_base(model, gradient_checkpointing), peft_lora_config(lora))
+    wrapped = get_peft_model(prepare_adapter_base(model, gradient_checkpointing), peft_lora_config(lora, model))
     cast_trainable(wrapped, dtype)
     return wrapped
 

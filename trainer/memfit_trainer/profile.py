@@ -26,6 +26,7 @@ from typing import Any
 
 from memfit.api.vocabulary import TerminationReason
 from memfit.contract.profile_message import ProfileMessageError, encode_profile_message
+from memfit.contract.sections import LoraConfig
 from memfit.contract.termination import fitted_message, write_termination_message
 from memfit.profile import (
     Experts,
@@ -37,6 +38,7 @@ from memfit.profile import (
     canonical_config_sha256,
 )
 from memfit_trainer.activation_profile import MESSAGE_LENGTH, ProfileError, activation_profile, decoder_layers_prefix
+from memfit_trainer.model import peft_lora_config
 
 EXIT_BAD_INPUT = 2
 ALL_LINEAR = "all-linear"
@@ -168,11 +170,11 @@ def lora_resolution(model: Any, target_modules: str | tuple[str, ...], prefix: s
     embeddings, and peft 0.21 targeting transformers 5's fused expert parameters through ``ParamWrapper``
     (its v4-to-v5 MoE conversion), which no name match over ``nn.Linear`` modules would find.
     """
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    targets = target_modules if isinstance(target_modules, str) else list(target_modules)
-    config = LoraConfig(target_modules=targets)
+    targets = [target_modules] if isinstance(target_modules, str) else list(target_modules)
+    config = peft_lora_config(LoraConfig(target_modules=targets, dropout=0.0), model)  # in place: no dropout
     wrapped: Any = get_peft_model(copy.deepcopy(model), config)
     groups: dict[tuple[str, str | None, int, int, int], list[int]] = {}
     for name, module in wrapped.base_model.model.named_modules():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from memfit.contract.trainer_config import TrainerConfig
 from memfit_trainer.checkpoint import CheckpointManager
@@ -11,8 +12,7 @@ from memfit_trainer.model import trains_adapters
 from memfit_trainer.training_engine import TrainingEngine
 
 
-@dataclass(frozen=True)
-class Ranks:
+class Ranks(NamedTuple):
     """Where this process stands in the job (torchrun's ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE``)."""
 
     rank: int
