@@ -144,12 +144,13 @@ class ActivationTerm(_Frozen):
     exact: bool
 
     def bytes(self, tokens: int) -> int:
-        """The term at ``tokens`` tokens."""
+        """The term at ``tokens`` tokens: below ``valid_from``, the larger of the traced counts on either side
+        (the form there is unknown; a traced count itself is exact)."""
         if tokens < self.valid_from:
-            known = dict(self.measured)
-            if tokens not in known:
-                raise ValueError(f"{tokens} tokens: below {self.valid_from}, only {sorted(known)} were traced")
-            return known[tokens]
+            known = sorted(self.measured)
+            below = [value for count, value in known if count <= tokens][-1:]
+            above = [value for count, value in known if count >= tokens][:1]
+            return max(below + above)
         quadratic = tokens * min(tokens, self.window or tokens)
         return round(self.per_token * tokens + self.per_token_squared * quadratic + self.constant)
 

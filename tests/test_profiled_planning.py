@@ -265,3 +265,20 @@ def test_without_a_profile_or_sizes_the_planner_says_how_to_get_one() -> None:
     spec = spec.model_copy(update={"model": spec.model.model_copy(update={"architecture": None})})
     with pytest.raises(PlanningError, match="memfit plan --mount"):
         plan_job(spec, [ONE_A100])
+
+
+def test_below_where_its_form_holds_a_term_is_the_larger_traced_neighbour() -> None:
+    from memfit.profile import ActivationTerm
+
+    term = ActivationTerm(per_token=1, per_token_squared=0, constant=0, valid_from=1000,
+                          measured=((100, 500), (200, 300), (1000, 1000)), exact=True)  # fmt: skip
+    assert (term.bytes(100), term.bytes(150), term.bytes(400), term.bytes(2000)) == (500, 500, 1000, 2000)
+
+
+def test_gpt_oss_backward_holds_its_attention_scores_beyond_2048_tokens() -> None:
+    """gpt-oss's eager attention (with sinks) materializes every layer's scores, sliding ones included: the
+    profiler found the form change at 2048 tokens, traced longer counts, and solved the quadratic form there."""
+    model = profiled("gpt-oss-20b")
+    for layer in model.activations.full.layers:
+        assert layer.backward_peak.exact and layer.backward_peak.valid_from == 2048
+        assert layer.backward_peak.per_token_squared == 64 * 4  # 64 heads, fp32 scores

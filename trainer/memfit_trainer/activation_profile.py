@@ -408,8 +408,28 @@ def activation_terms(
     setup: Setup,
     window: int | None = None,
 ) -> ActivationTerms:
-    """The terms of one setup: a trace per token count, each term solved exactly over them."""
+    """The terms of one setup: a trace per token count, each term solved exactly over them. Where a term changes
+    form at the longest counts (gpt-oss's experts at 2048 tokens), three longer counts are traced too, so that
+    the form of the long sequences plans are made for is solved and checked (``valid_from``)."""
     traces = [trace(text, kinds, count, attention, setup) for count in counts]
+    terms = _solved(traces, kinds, attention, window)
+    if not all(term.exact for term in _all_terms(terms)):
+        longest = max(counts)
+        traces += [trace(text, kinds, factor * longest, attention, setup) for factor in LONGER]
+        terms = _solved(traces, kinds, attention, window)
+    return terms
+
+
+LONGER = (2, 3, 4)
+"""Multiples of the longest count traced again where a term has no exact form over the first counts."""
+
+
+def _all_terms(terms: ActivationTerms) -> list[ActivationTerm]:
+    layers = [term for layer in terms.layers for term in (layer.saved, layer.backward_peak)]
+    return [terms.outside_layers, terms.loss_backward, terms.outside_backward, *layers]
+
+
+def _solved(traces: list[Trace], kinds: Sequence[str], attention: str, window: int | None) -> ActivationTerms:
     layers = []
     for index, kind in enumerate(kinds):
         windowed = window if "sliding" in kind else None
