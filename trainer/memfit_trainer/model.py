@@ -256,12 +256,15 @@ def peft_lora_config(lora: LoraConfig, model: Any) -> Any:
 
 
 def not_plain_linears(model: Any) -> list[str]:
-    """``nn.Linear`` subclasses with a forward of their own (Llama 4's router returns a tuple): peft's
-    ``all-linear`` would wrap them and its ``lora.Linear`` expects a tensor back, so they keep no adapter."""
+    """The model's own ``nn.Linear`` subclasses with a forward of their own (Llama 4's router returns a tuple):
+    peft's ``all-linear`` would wrap them and its ``lora.Linear`` expects a tensor back, so they keep no adapter.
+    Only classes of the model's code count: bitsandbytes' 4-bit layers are ``nn.Linear`` subclasses peft adapts."""
     return [
         name
         for name, module in model.named_modules()
-        if isinstance(module, torch.nn.Linear) and type(module).forward is not torch.nn.Linear.forward
+        if isinstance(module, torch.nn.Linear)
+        and type(module).forward is not torch.nn.Linear.forward
+        and type(module).__module__.startswith("transformers.")
     ]
 
 
