@@ -21,12 +21,11 @@ from __future__ import annotations
 
 from memfit.api.vocabulary import Method
 from memfit.memory.activations import ActivationEstimate, ActivationSetup, estimate_activations
+from memfit.memory.sizes import BF16
 from memfit.model_shape import ModelShape
 from memfit.planned_model import PlannedModel
 from memfit.profile import ActivationTerm, ActivationTerms
 from memfit.profiled_model import ProfiledModel
-
-BF16 = 2
 
 
 def _rows(term: ActivationTerm, tokens: int, rows: int) -> int:
