@@ -21,10 +21,10 @@ from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
 """Bumped when a field changes meaning; a reader refuses a profile of another version (2: ``activations``;
 3: attention widths, and activations traced for full fine-tuning and for LoRA on packed rows, with the loss's
-backward, and checkpointed)."""
+backward, and checkpointed; 4: the terms outside the layers also traced with the chunked loss)."""
 
 
 class Role(StrEnum):
@@ -140,7 +140,8 @@ class ActivationTerm(_Frozen):
     """The form holds from this token count up; below it, only the measured points are known (an SDPA model
     builds a sliding-window mask only once the sequence outgrows the window)."""
     measured: tuple[tuple[int, int], ...]
-    """``(tokens, bytes)`` of every trace: the three solved for and the ones checked."""
+    """``(tokens, bytes)`` of every trace (the three solved for and the ones checked) where the form does not
+    reproduce them all (not exact, or exact from ``valid_from`` up); empty where it does (it is them)."""
     exact: bool
 
     def bytes(self, tokens: int) -> int:
@@ -168,8 +169,8 @@ class LayerActivations(_Frozen):
     (gradients of parameters not counted: they are model state)."""
 
 
-class ActivationTerms(_Frozen):
-    """The activation terms of one traced training setup."""
+class OutsideTerms(_Frozen):
+    """What one traced setup keeps outside the decoder layers: the terms the loss's implementation changes."""
 
     outside_layers: ActivationTerm
     """Alive at the end of the forward outside the decoder layers: embedding output, masks, rotary tables,
@@ -180,6 +181,16 @@ class ActivationTerms(_Frozen):
     outside_backward: ActivationTerm
     """Alive when the decoder layers' backward begins beyond what they saved: the masks, the rotary tables, the
     embedding's output and the gradient arriving at the last layer, which every layer's backward stands on."""
+
+
+class ActivationTerms(_Frozen):
+    """The activation terms of one traced training setup."""
+
+    outside: OutsideTerms
+    """With the model's own loss (the full logits)."""
+    chunked_loss: OutsideTerms | None
+    """With the trainer's chunked loss (``memfit_trainer.chunked_loss``: the LM head inside the loss, one chunk
+    of logits at a time); the decoder layers keep the same. None where a step with it failed."""
     layers: tuple[LayerActivations, ...]
     """One per layer type."""
 
@@ -187,10 +198,17 @@ class ActivationTerms(_Frozen):
         """The terms of a layer type."""
         return next(entry for entry in self.layers if entry.layer_type == layer_type)
 
+    def outside_terms(self, chunked_loss: bool) -> OutsideTerms:
+        """The terms outside the layers with the model's own loss or the chunked one (which must be traced)."""
+        if not chunked_loss:
+            return self.outside
+        assert self.chunked_loss is not None  # the planner plans no chunked loss where it was not traced
+        return self.chunked_loss
+
     def forward_end_bytes(self, layer_types: tuple[str, ...], tokens: int) -> int:
         """Activations alive when the forward of a model with these decoder layers ends, at ``tokens``."""
         saved = sum(self.layer(kind).saved.bytes(tokens) for kind in layer_types)
-        return self.outside_layers.bytes(tokens) + saved
+        return self.outside.outside_layers.bytes(tokens) + saved
 
 
 class ActivationProfile(_Frozen):

@@ -4,8 +4,9 @@
 alone: parameters, the tensors each method trains, what bitsandbytes quantizes and what peft adapts are the
 profile's inventory (exact by construction), and the attention FLOPs follow each layer's type. Its activations
 come from the profile's traced terms (:mod:`memfit.memory.profiled_activations`), which cover a 16-bit step
-with the traced attention kernel and neither the chunked loss nor activation offloading: those are what
-:attr:`ProfiledModel.untraced_techniques` and :meth:`ProfiledModel.unplannable` report.
+with the traced attention kernel, with the model's own loss or the chunked one, and without activation
+offloading: what is not traced is what :attr:`ProfiledModel.untraced_techniques` and
+:meth:`ProfiledModel.unplannable` report.
 """
 
 from __future__ import annotations
@@ -27,9 +28,6 @@ LINEAR_ATTENTION = "linear_attention"
 class ProfiledModel:
     """The planner's view of a profiled model (see the module docstring)."""
 
-    untraced_techniques = frozenset({"chunked_loss", "activation_offloading"})
-    """Technique knobs the traced activation terms do not cover: the planner leaves them off."""
-
     def __init__(self, profile: ModelProfile) -> None:
         if profile.activations is None:
             raise ValueError("the profile holds no activation terms: profile the model with --activations")
@@ -42,6 +40,14 @@ class ProfiledModel:
 
     def __hash__(self) -> int:
         return hash(self._key)
+
+    @cached_property
+    def untraced_techniques(self) -> frozenset[str]:
+        """Technique knobs the traced activation terms do not cover: the planner leaves them off."""
+        activations = self.activations
+        setups = [activations.full, activations.full_checkpointed, activations.lora, activations.lora_checkpointed]
+        chunked = all(terms.chunked_loss is not None for terms in setups if terms is not None)
+        return frozenset({"activation_offloading"} if chunked else {"activation_offloading", "chunked_loss"})
 
     def planned_fields(self) -> dict[str, bool | int | str]:
         """The fields every config states alike at the top of its text config (the profile's head widths are

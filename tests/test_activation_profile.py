@@ -118,7 +118,7 @@ def test_terms_are_exact_and_predict_a_held_out_count_and_a_whole_model(
 ) -> None:
     profile = profiles[name]
     traced: ActivationTerms = getattr(profile, setup)
-    terms: list[ActivationTerm] = [traced.outside_layers]
+    terms: list[ActivationTerm] = [traced.outside.outside_layers]
     terms += [term for layer in traced.layers for term in (layer.saved, layer.backward_peak)]
     assert all(term.exact for term in terms), [term for term in terms if not term.exact]
     text = text_config(CONFIGS[name])
@@ -256,5 +256,31 @@ def test_checkpointed_layers_compose_from_the_terms_within_5_percent_of_a_whole_
     whole = trace(text, kinds, HELD_OUT, profile.attention, checkpointed)
     method = Method.FULL if setup == "full" else Method.LORA
     plan = ActivationSetup(method, Precision.BF16, True, 1, HELD_OUT, Attention(profile.attention))
+    peak = composed(traced, kinds, int(text.hidden_size), plan).peak
+    assert abs(peak - whole.peak) <= 0.05 * whole.peak, (peak, whole.peak)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_the_chunked_loss_terms_compose_within_5_percent_of_a_whole_model_trace(
+    name: str, setup: str, checkpointing: bool, profiles: dict[str, ActivationProfile]
+) -> None:
+    """With the trainer's chunked loss the layers keep what they keep with the model's own loss; the terms
+    outside them, traced with it, compose into the whole model's step (Gemma's soft-capping included)."""
+    profile = profiles[name]
+    traced: ActivationTerms = getattr(profile, f"{setup}_checkpointed" if checkpointing else setup)
+    assert traced.chunked_loss is not None
+    text = text_config(CONFIGS[name])
+    kinds = tuple(text.layer_types) if getattr(text, "layer_types", None) else ("full_attention",) * 2
+    chunked = dataclasses.replace(_setup(profile, setup), checkpointing=checkpointing, chunked_loss=True)
+    whole = trace(text, kinds, HELD_OUT, profile.attention, chunked)
+    for layer in whole.layers:
+        assert layer.saved == traced.layer(layer.layer_type).saved.bytes(HELD_OUT)
+    method = Method.FULL if setup == "full" else Method.LORA
+    plan = ActivationSetup(
+        method, Precision.BF16, checkpointing, 1, HELD_OUT, Attention(profile.attention), chunked_loss=True
+    )
     peak = composed(traced, kinds, int(text.hidden_size), plan).peak
     assert abs(peak - whole.peak) <= 0.05 * whole.peak, (peak, whole.peak)

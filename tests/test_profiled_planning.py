@@ -105,14 +105,14 @@ def test_profiled_activations_compose_the_traced_terms() -> None:
     terms = model.activations.full
     layer = terms.layer("full_attention")
     estimate = model_activations(model, _setup(Method.FULL, False))
-    outside = terms.outside_layers.bytes(4096) + terms.loss_backward.bytes(4096)
+    outside = terms.outside.outside_layers.bytes(4096) + terms.outside.loss_backward.bytes(4096)
     assert estimate.loss_moment == outside + 36 * layer.saved.bytes(4096)
-    during = terms.outside_backward.bytes(4096)
+    during = terms.outside.outside_backward.bytes(4096)
     assert estimate.layer_moment == 36 * layer.saved.bytes(4096) + during + layer.backward_peak.bytes(4096)
     checkpointed = model_activations(model, _setup(Method.FULL, True))
     traced = model.activations.full_checkpointed
     kept = 36 * traced.layer("full_attention").saved.bytes(4096)
-    outside = traced.outside_layers.bytes(4096) + traced.loss_backward.bytes(4096)
+    outside = traced.outside.outside_layers.bytes(4096) + traced.outside.loss_backward.bytes(4096)
     assert checkpointed.loss_moment == kept + outside
     assert kept == 36 * 4096 * model.hidden_size * 2  # each layer keeps its output, the next one's input
     assert checkpointed.layer_moment < estimate.layer_moment / 10 and checkpointed.peak < estimate.peak / 4
@@ -125,7 +125,7 @@ def test_rows_scale_every_term_but_its_constant() -> None:
         model_activations(model, _setup(Method.FULL, False, 4)),
     )
     full = model.activations.full
-    constant = full.outside_layers.constant + full.loss_backward.constant
+    constant = full.outside.outside_layers.constant + full.outside.loss_backward.constant
     assert four.loss_moment == pytest.approx(4 * one.loss_moment - 3 * constant, abs=64)
 
 
@@ -186,7 +186,7 @@ def test_memfit_plan_plans_a_model_directory_from_its_config_json(
     assert not empty_profile_cache.exists()
     plans = [result["chosen"], *result["candidates"]] if result["chosen"] else []
     for plan in plans:
-        assert not plan["strategy"]["chunkedLoss"] and not plan["strategy"]["activationOffloading"]
+        assert not plan["strategy"]["activationOffloading"]
         assert plan["parameterCount"] == STORED_TOTALS[name]
 
 
@@ -211,7 +211,7 @@ def test_the_table_names_what_the_plan_was_computed_from(tmp_path: Path, capsys:
     ("spec", "message"),
     [
         ({"training": {"globalBatchSize": 16, "sequenceLength": 4096, "precision": "fp32"}}, "fp32"),
-        ({"strategy": {"chunkedLoss": True}}, "chunked_loss: not yet traced"),
+        ({"strategy": {"activationOffloading": True}}, "activation_offloading: not yet traced"),
         ({"strategy": {"attention": "flash"}}, "strategy.attention flash"),
     ],
 )

@@ -78,8 +78,8 @@ def _print_text(profile: ModelProfile, console: Console) -> None:
 
 
 def _activation_facts(activations: ActivationProfile) -> dict[str, str]:
-    """One line per traced term of each setup (full fine-tuning, LoRA): bytes per token, per token squared (up
-    to the window), and constant."""
+    """One line per traced term of each setup (full fine-tuning, LoRA; the terms outside the layers with the model's
+    loss and with the chunked loss): bytes per token, per token squared (up to the window), and constant."""
     lora = f"lora r{activations.lora_rank} dropout {activations.lora_dropout:g}"
     traced_setups = {
         "full": activations.full,
@@ -92,10 +92,16 @@ def _activation_facts(activations: ActivationProfile) -> dict[str, str]:
     if activations.lora_failure is not None:
         facts[f"activations ({lora})"] = f"cannot train: {activations.lora_failure}"
     for setup, traced in setups.items():
+        losses = {"": traced.outside, ", chunked loss": traced.chunked_loss}
         terms = {
-            "outside layers": traced.outside_layers,
-            "loss backward": traced.loss_backward,
-            "outside, in the layers' backward": traced.outside_backward,
+            f"{name}{loss}": term
+            for loss, outside in losses.items()
+            if outside is not None
+            for name, term in (
+                ("outside layers", outside.outside_layers),
+                ("loss backward", outside.loss_backward),
+                ("outside, in the layers' backward", outside.outside_backward),
+            )
         }
         for layer in traced.layers:
             terms[f"{layer.layer_type} ({layer.attention}) saved"] = layer.saved

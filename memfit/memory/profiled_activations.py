@@ -8,9 +8,10 @@ backward and the most its own backward adds, traced on one packed 16-bit row for
 * rows: every term but its constant grows with the micro-batch (the constant is what the traces show no token
   count changes, such as rotary tables);
 * every layer keeps what it saved: at the loss the terms outside the layers, and what the loss's and the LM
-  head's backward add, stand on all of them; inside a layer's backward the loss buffers are gone, and what
-  stays outside the layers (masks, rotary tables, the arriving gradient) and that layer's backward peak add
-  (``tests/test_activation_profile.py`` holds the composed peak within 5% of a trace of the whole model);
+  head's backward add (with the model's own loss or the chunked loss, each traced), stand on all of them;
+  inside a layer's backward the loss buffers are gone, and what stays outside the layers (masks, rotary
+  tables, the arriving gradient) and that layer's backward peak add (``tests/test_activation_profile.py``
+  holds the composed peak within 5% of a trace of the whole model);
 * with checkpointing the same, with the terms traced checkpointed: a layer then keeps its output (the next
   one's input), and its backward peak holds its recomputation.
 
@@ -54,8 +55,9 @@ def composed(
     saved = {kind: _rows(terms.layer(kind).saved, tokens, rows) for kind in distinct}
     peak = {kind: _rows(terms.layer(kind).backward_peak, tokens, rows) for kind in distinct}
     kept = sum(saved[kind] for kind in kinds)
-    loss_moment = kept + _rows(terms.outside_layers, tokens, rows) + _rows(terms.loss_backward, tokens, rows)
-    during = _rows(terms.outside_backward, tokens, rows)
+    outside = terms.outside_terms(setup.chunked_loss)
+    loss_moment = kept + _rows(outside.outside_layers, tokens, rows) + _rows(outside.loss_backward, tokens, rows)
+    during = _rows(outside.outside_backward, tokens, rows)
     layer_moment = kept + during + max(peak.values())
     between = rows * tokens * hidden_size * BF16
     return ActivationEstimate(

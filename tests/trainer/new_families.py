@@ -56,6 +56,17 @@ NEW_FAMILIES: dict[str, dict[str, Any]] = {
         "hidden_size_per_layer_input": 8,  # and a per-layer embedding input
         "vocab_size_per_layer_input": VOCAB_SIZE,
     },
+    "llama4_text": {
+        "num_local_experts": 4,
+        "num_experts_per_tok": 1,
+        "intermediate_size": 32,  # the experts'; the dense layers' is intermediate_size_mlp
+        "intermediate_size_mlp": 128,
+        "interleave_moe_layer_step": 2,  # a dense layer, then a routed one
+        "layer_types": ["chunked_attention", "full_attention"],  # chunked local attention, then global
+        "attention_chunk_size": 16,
+        "no_rope_layers": [1, 0],
+    },
+    "ministral3": {},
     "qwen3_5_text": {
         "layer_types": ["linear_attention", "full_attention"],  # Gated DeltaNet, then softmax attention
         "linear_num_key_heads": 2,

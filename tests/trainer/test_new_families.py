@@ -32,7 +32,8 @@ from memfit.contract.reader import ConfigError
 from memfit.contract.termination import config_error_message
 from memfit_trainer.chunked_loss import causal_lm_loss, chunked_cross_entropy
 from memfit_trainer.preflight import check
-from tests.trainer.new_families import from_directory, tiny_config, write_model_directory
+from tests.trainer.chat_families import VOCAB_SIZE
+from tests.trainer.new_families import NEW_FAMILIES, from_directory, tiny_config, write_model_directory
 from tests.trainer.runs import logged_losses, make_config, run_single_process, run_trainer, write_config
 
 STEPS = 3
@@ -95,6 +96,35 @@ def test_chunked_loss_is_the_models_own_soft_capped_loss() -> None:
     torch.testing.assert_close(chunked.detach(), own, rtol=1e-5, atol=1e-5)
     uncapped = causal_lm_loss(model, model, batch, lambda *a, **k: chunked_cross_entropy(*a, **{**k, "softcap": None}))
     assert abs(float(uncapped.detach()) - float(own)) > 0.5  # the cap matters: the comparison above means something
+
+
+@pytest.mark.parametrize("model_type", sorted(NEW_FAMILIES))
+def test_the_chunked_loss_and_its_gradients_are_the_models_own(model_type: str) -> None:
+    """The planner chooses the chunked loss for any profiled model (its terms are traced): on every family it
+    is the model's own loss, and the gradients of every parameter agree (fused experts, Gated DeltaNet and
+    per-layer inputs included)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type), attn_implementation="eager", dtype=torch.float32)
+    ids = torch.randint(0, VOCAB_SIZE, (2, 24))
+    labels = ids.clone()
+    labels[:, :3] = -100
+    batch = {"input_ids": ids, "labels": labels}
+
+    def gradients(loss: torch.Tensor) -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    own = model(**batch).loss
+    own_gradients = gradients(own)
+    chunked = causal_lm_loss(model, model, batch, lambda *a, **k: chunked_cross_entropy(*a, **k, chunk_tokens=7))
+    torch.testing.assert_close(chunked.detach(), own.detach(), rtol=1e-5, atol=1e-5)
+    chunked_gradients = gradients(chunked)
+    assert chunked_gradients.keys() == own_gradients.keys()
+    for name, gradient in own_gradients.items():
+        torch.testing.assert_close(chunked_gradients[name], gradient, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_preflight_refuses_an_attention_kernel_the_model_does_not_implement(tmp_path: Path) -> None:

@@ -9,12 +9,14 @@ restarting at the second and no ``attention_mask``, from which ``transformers`` 
 attention mask for sdpa and eager (``masking_utils.find_packed_sequence_indices``; on fake tensors it cannot
 read the positions and always builds it, as a real packed row makes it), so the mask and whatever the layers
 derive from it are traced with the rest (SDPA keeps a bf16 copy of it in every layer, and without native GQA
-keys and values repeated to every head; the bool mask itself is gone when the forward ends). Two setups are
-traced (:class:`Setup`): full fine-tuning, and LoRA as the trainer builds it
+keys and values repeated to every head; the bool mask itself is gone when the forward ends). Four setups are
+traced (:class:`Setup`), each without and with gradient checkpointing: full fine-tuning, and LoRA as the
+trainer builds it
 (``memfit_trainer.model.with_adapters``: the base frozen, adapters in bf16) with memfit's default adapters
 (``all-linear``, rank 16, dropout 0.05; no dropout where peft adapts fused experts or a router in place, which
 refuse it), the embedding's output made to require grad so that each traced layer keeps what a layer deeper in
-the stack keeps (a frozen model's first layer keeps less: it is counted high). Hooks on each decoder layer
+the stack keeps (a frozen model's first layer keeps less: it is counted high); each is traced again with the
+trainer's chunked loss for the terms outside the layers. Hooks on each decoder layer
 read what the layer leaves alive at the end of its forward and the most its backward adds above what was
 alive when that backward started. The traces at several token counts are solved exactly for ``a·T + b·T² + c``
 (``T·min(T, window)`` where a sliding window bounds the quadratic term; past the window for a term that
@@ -25,13 +27,13 @@ form reproduces keeps its measured points.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
 
 from memfit.contract.sections import LoraConfig
-from memfit.profile import ActivationProfile, ActivationTerm, ActivationTerms, LayerActivations
+from memfit.profile import ActivationProfile, ActivationTerm, ActivationTerms, LayerActivations, OutsideTerms
 
 DEFAULT_TOKENS = (256, 512, 1024, 2048)
 """Token counts traced for every model: three to solve for and one to check."""
@@ -52,8 +54,10 @@ class Setup:
     """Two documents packed in the row (the trainer's packing); False: one document and no attention mask at all
     (an unpadded, unpacked row: SDPA's ``is_causal`` path)."""
     checkpointing: bool = False
-    """The decoder layers checkpointed as the trainer checkpoints them (profiles trace without: the tests trace
-    with it to check how the planner composes checkpointed layers from the terms)."""
+    """The decoder layers checkpointed as the trainer checkpoints them."""
+    chunked_loss: bool = False
+    """The loss as the trainer's chunked loss computes it (``memfit_trainer.chunked_loss``: the LM head inside
+    the loss, one chunk of logits at a time), else the model's own (the full logits)."""
 
 
 FULL = Setup()
@@ -213,6 +217,7 @@ def training_row(tokens: int, vocab_size: int, packed: bool) -> dict[str, Any]:
 
 def trace(text: Any, layer_types: Sequence[str], tokens: int, attention: str, setup: Setup = FULL) -> Trace:
     """Train one row of ``tokens`` tokens through a copy of the model with these decoder layers, on fake tensors."""
+    from memfit_trainer.chunked_loss import causal_lm_loss, unwrap_causal_lm
     from memfit_trainer.fake_trace import PhaseMemTracker, categories_of, fake_run, fake_weights, transient
 
     model = meta_model(text, layer_types, attention, setup)
@@ -228,7 +233,11 @@ def trace(text: Any, layer_types: Sequence[str], tokens: int, attention: str, se
         handles = [marks.hook(index, layer) for index, layer in enumerate(layers)]
         try:
             with tracker:
-                loss = model(**inputs).loss
+                loss = (
+                    causal_lm_loss(model, unwrap_causal_lm(model), inputs)
+                    if setup.chunked_loss
+                    else model(**inputs).loss
+                )
                 forward_end, forward_moments = marks.now(), tracker.moment_count()
                 marks.forwarding = False
                 loss.backward()
@@ -333,15 +342,15 @@ def _exact_term(points: list[tuple[int, int]], window: int | None, start: int = 
     if solved is None:  # the window makes the quadratic column a multiple of the linear one
         return None
     a, b, c = solved
-    exact = all(a * r[0] + b * r[1] + c == value for t, value in rest for r in [row(t)])
+    exact = len(rest) > 0 and all(a * r[0] + b * r[1] + c == value for t, value in rest for r in [row(t)])
     return ActivationTerm(
         per_token=float(a),
         per_token_squared=float(b),
         constant=float(c),
         window=window,
         valid_from=fit[0][0] if start else 0,
-        measured=tuple(points),
-        exact=exact and len(rest) > 0,
+        measured=() if exact and not start else tuple(points),  # where the form reproduces them all, it is them
+        exact=exact,
     )
 
 
@@ -408,37 +417,70 @@ def activation_terms(
     setup: Setup,
     window: int | None = None,
 ) -> ActivationTerms:
-    """The terms of one setup: a trace per token count, each term solved exactly over them. Where a term changes
-    form at the longest counts (gpt-oss's experts at 2048 tokens), three longer counts are traced too, so that
-    the form of the long sequences plans are made for is solved and checked (``valid_from``)."""
-    traces = [trace(text, kinds, count, attention, setup) for count in counts]
-    terms = _solved(traces, kinds, attention, window)
-    if not all(term.exact for term in _all_terms(terms)):
-        longest = max(counts)
-        traces += [trace(text, kinds, factor * longest, attention, setup) for factor in LONGER]
-        terms = _solved(traces, kinds, attention, window)
-    return terms
+    """The terms of one setup: a trace per token count, each term solved exactly over them, with the model's own
+    loss and, for the terms outside the layers (the layers keep the same), the chunked loss: None where a step
+    with it fails."""
+
+    def every_term(traces: list[Trace]) -> list[ActivationTerm]:
+        layers = _layers(traces, kinds, attention, window)
+        return _outside_list(_outside(traces)) + [
+            term for layer in layers for term in (layer.saved, layer.backward_peak)
+        ]
+
+    traces = _exact_traces(text, kinds, attention, counts, setup, every_term)
+    try:
+        chunked_setup = replace(setup, chunked_loss=True)
+        chunked = _outside(
+            _exact_traces(text, kinds, attention, counts, chunked_setup, lambda found: _outside_list(_outside(found)))
+        )
+    except Exception:  # the model's own code under the chunked loss: whatever it raises, the planner leaves it off
+        chunked = None
+    return ActivationTerms(
+        outside=_outside(traces), chunked_loss=chunked, layers=_layers(traces, kinds, attention, window)
+    )
 
 
 LONGER = (2, 3, 4)
 """Multiples of the longest count traced again where a term has no exact form over the first counts."""
 
 
-def _all_terms(terms: ActivationTerms) -> list[ActivationTerm]:
-    layers = [term for layer in terms.layers for term in (layer.saved, layer.backward_peak)]
-    return [terms.outside_layers, terms.loss_backward, terms.outside_backward, *layers]
+def _exact_traces(
+    text: Any,
+    kinds: Sequence[str],
+    attention: str,
+    counts: Sequence[int],
+    setup: Setup,
+    terms: Callable[[list[Trace]], list[ActivationTerm]],
+) -> list[Trace]:
+    """A trace per token count; where one of the ``terms`` solved from them changes form at the longest counts
+    (gpt-oss's experts at 2048 tokens), three longer counts too, so that the form of the long sequences plans
+    are made for is solved and checked (``valid_from``)."""
+    traces = [trace(text, kinds, count, attention, setup) for count in counts]
+    if not all(term.exact for term in terms(traces)):
+        longest = max(counts)
+        traces += [trace(text, kinds, factor * longest, attention, setup) for factor in LONGER]
+    return traces
 
 
-def _solved(traces: list[Trace], kinds: Sequence[str], attention: str, window: int | None) -> ActivationTerms:
+def _outside(traces: list[Trace]) -> OutsideTerms:
+    return OutsideTerms(
+        outside_layers=solve([(t.tokens, t.outside_layers) for t in traces]),
+        loss_backward=solve([(t.tokens, t.loss_backward) for t in traces]),
+        outside_backward=solve([(t.tokens, t.outside_backward) for t in traces]),
+    )
+
+
+def _outside_list(outside: OutsideTerms) -> list[ActivationTerm]:
+    return [outside.outside_layers, outside.loss_backward, outside.outside_backward]
+
+
+def _layers(
+    traces: list[Trace], kinds: Sequence[str], attention: str, window: int | None
+) -> tuple[LayerActivations, ...]:
     layers = []
     for index, kind in enumerate(kinds):
         windowed = window if "sliding" in kind else None
         saved = solve([(t.tokens, t.layers[index].saved) for t in traces], windowed)
         peak = solve([(t.tokens, t.layers[index].backward_peak) for t in traces], windowed)
         layers.append(LayerActivations(layer_type=kind, attention=attention, saved=saved, backward_peak=peak))
-    return ActivationTerms(
-        outside_layers=solve([(t.tokens, t.outside_layers) for t in traces]),
-        loss_backward=solve([(t.tokens, t.loss_backward) for t in traces]),
-        outside_backward=solve([(t.tokens, t.outside_backward) for t in traces]),
-        layers=tuple(layers),
-    )
+    return tuple(layers)

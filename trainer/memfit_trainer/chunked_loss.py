@@ -193,6 +193,15 @@ def unwrap_causal_lm(model: Any) -> Any:
     return get_base() if get_base is not None else model
 
 
+def text_decoder(causal_lm: Any) -> Any:
+    """The decoder stack of a causal LM, whose last hidden state is the LM head's input. ``transformers``'
+    ``get_decoder()`` returns the causal LM itself where ``base_model_prefix`` names no attribute of it (Llama 4's
+    text model: ``language_model``, its decoder being ``model``): its output holds the logits, not the hidden
+    states."""
+    decoder = causal_lm.get_decoder()
+    return getattr(causal_lm, "model", decoder) if decoder is causal_lm else decoder
+
+
 def causal_lm_loss(
     forward: Callable[..., Any],
     causal_lm: Any,
@@ -207,7 +216,7 @@ def causal_lm_loss(
     def keep_output(module: Any, args: Any, output: Any) -> None:
         captured.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
 
-    handle = causal_lm.get_decoder().register_forward_hook(keep_output)
+    handle = text_decoder(causal_lm).register_forward_hook(keep_output)
     inputs = {name: value for name, value in batch.items() if name != "labels"}
     no_position = torch.empty(0, dtype=torch.long, device=batch["input_ids"].device)
     try:
