@@ -1,5 +1,5 @@
-"""`memfit run --local`: planning for this machine and rendering the trainer's config (the training
-itself is exercised in tests/trainer)."""
+"""`memfit run --local`: planning for this machine, rendering the trainer's config and checking it before
+torchrun starts (the training itself is exercised in tests/trainer)."""
 
 from __future__ import annotations
 
@@ -18,12 +18,21 @@ from memfit.api.loading import load_documents
 from memfit.cli import run_command
 from memfit.cli.local_machine import CPU_PRODUCT, LocalMachine, local_pool
 from memfit.cli.main import main
+from memfit.cli.run_command import launch_check
 from memfit.contract.engines import DeepSpeedEngineSection
 from memfit.contract.reader import load_config
 from memfit.units import GIB
 
 ROOT = Path(__file__).parent.parent
 TINY = ROOT / "examples" / "tiny"
+
+
+@pytest.fixture(autouse=True)
+def stand_in_launch_check(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launch check is a trainer process (seconds: torch, the tokenizer, the data): the tests marked slow
+    run it; the others, of planning and paths, stand in one that refuses nothing."""
+    if request.node.get_closest_marker("slow") is None:
+        monkeypatch.setattr(run_command, "launch_check", lambda config_path, env: None)
 
 
 @pytest.fixture
@@ -280,10 +289,100 @@ def test_a_trainer_start_up_refusal_arrives_as_its_one_line(tiny_job: Path, caps
     (workdir / "termination-log").write_text('{"reason": "ConfigError", "message": "an earlier run"}')
     capsys.readouterr()
     # Planned for 2 ranks, started as 1: every rank's preflight refuses the config (exit 2).
-    code = run_command._torchrun(workdir / "trainer-config.json", 1, False, workdir / "termination-log")
+    code = run_command._torchrun(
+        workdir / "trainer-config.json", 1, run_command.trainer_env(has_gpus=False), workdir / "termination-log"
+    )
     assert code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and "ChildFailedError" not in err, err
     lines = err.strip().splitlines()
     assert lines[-1].startswith("memfit run: error: ") and "plan is for 2" in lines[-1], err
     assert "an earlier run" not in err
+
+
+# --- the launch check: what the trainer would refuse at start-up, said before torchrun starts any rank ---
+
+CHECKING = "memfit: checking the model, the tokenizer and the data as 2 rank(s) will load them"
+
+
+def refusal(capsys: pytest.CaptureFixture[str]) -> str:
+    """The one error line of a run refused by the launch check (after the line saying it checks)."""
+    checking, line = capsys.readouterr().err.strip().splitlines()
+    assert checking == CHECKING
+    assert line.startswith("memfit run: error: ")
+    return line.removeprefix("memfit run: error: ")
+
+
+@pytest.mark.slow
+def test_a_tiny_job_passes_the_launch_check(tiny_job: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", str(tiny_job), "--local", "--nproc", "2", "--dry-run"]) == 0
+    assert capsys.readouterr().err.strip() == CHECKING  # nothing else: the check's own output is dropped
+    assert [p.name for p in (tiny_job.parent / "output" / "tiny" / ".memfit").iterdir()] == ["trainer-config.json"]
+
+
+@pytest.mark.slow
+def test_a_dataset_too_small_for_a_micro_batch_per_rank_is_refused_before_torchrun(
+    tiny_job: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = tiny_job.parent / "data" / "train.jsonl"
+    data.write_text("".join(data.read_text().splitlines(keepends=True)[:3]))
+    monkeypatch.setattr(run_command, "_torchrun", no_torchrun)
+    assert main(["run", str(tiny_job), "--local", "--nproc", "2"]) == 2
+    line = refusal(capsys)
+    assert line.startswith(f"dataset {str(data)!r} is too small: one micro-batch on each of 2 rank(s)"), line
+
+
+@pytest.mark.slow
+def test_a_validation_split_too_small_for_a_micro_batch_per_rank_is_refused_before_torchrun(
+    tiny_job: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = tiny_job.read_text()
+    assert "    textField: text\n" in text
+    tiny_job.write_text(
+        text.replace("    textField: text\n", "    textField: text\n    validation: {fraction: 0.005}\n")
+    )
+    monkeypatch.setattr(run_command, "_torchrun", no_torchrun)
+    assert main(["run", str(tiny_job), "--local", "--nproc", "2"]) == 2
+    line = refusal(capsys)  # 2 of the 400 records held out: 3 blocks of 128 tokens, not 2 x 4
+    data = tiny_job.parent / "data" / "train.jsonl"
+    assert line.startswith(f"the validation data (validation.fraction 0.005 of {str(data)!r}): "), line
+    assert "is too small: one micro-batch on each of 2 rank(s)" in line
+
+
+@pytest.mark.slow
+def test_a_model_directory_without_a_tokenizer_is_refused_before_torchrun(
+    claimed_model_job: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    directory = model_dir(claimed_model_job, TINY_SHAPE)  # config.json of the planned shape, no tokenizer
+    monkeypatch.setattr(run_command, "_torchrun", no_torchrun)
+    assert main(["run", str(claimed_model_job), "--local", "--nproc", "2"]) == 2
+    line = refusal(capsys)
+    assert line.startswith(f"cannot load tokenizer: the directory {str(directory.resolve())!r} has no loadable"), line
+
+
+@pytest.mark.slow
+def test_a_hub_model_offline_fails_fast_naming_it(
+    tiny_job: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = tiny_job.read_text()
+    assert "    name: tiny-llama\n    randomInit: true\n" in text
+    hub = "    name: memfit-test/no-such-model\n    source: {hub: memfit-test/no-such-model}\n"
+    tiny_job.write_text(text.replace("    name: tiny-llama\n    randomInit: true\n", hub))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # memfit run --local sets it
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty Hub cache
+    assert main(["run", str(tiny_job), "--local", "--nproc", "2", "--dry-run"]) == 2
+    line = refusal(capsys)
+    assert line.startswith("cannot load tokenizer: 'memfit-test/no-such-model' is not a local path and is not in "
+                           "the local hub cache (offline mode)"), line  # fmt: skip
+
+
+def test_a_launch_check_that_crashes_is_said_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    crashing = tmp_path / "python"
+    crashing.write_text("#!/bin/sh\necho 'memfit-train: not this' >&2\necho 'Traceback (most recent call last):' >&2\n"
+                        "echo 'RuntimeError: a bug' >&2\nexit 1\n")  # fmt: skip
+    crashing.chmod(0o755)
+    monkeypatch.setattr(run_command.sys, "executable", str(crashing))
+    assert launch_check(tmp_path / "trainer-config.json", {}) == (
+        3,
+        "the trainer's launch check failed (exit 1): RuntimeError: a bug",
+    )

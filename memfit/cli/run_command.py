@@ -1,5 +1,5 @@
 """``memfit run JOB.yaml --local``: plan for this machine, render the trainer's config as the operator
-would, and run the trainer under torchrun.
+would, check what the trainer would refuse at start-up, and run the trainer under torchrun.
 
 Each PersistentVolumeClaim the job names stands for a directory: the one ``--mount CLAIM=DIR`` gives, else
 the directory of that name beside the job file. As in a pod, every path stays inside its claim's directory,
@@ -7,6 +7,11 @@ symlinks resolved: a claim name must be a Kubernetes name (no ``/``, no ``..``),
 job file must not lead out of the job's directory, and the output directory, the data and the work
 directory must not lead out of their claim's directory. The trainer config is written to a new file that
 then replaces ``trainer-config.json`` (a symlink planted there is replaced, never followed).
+
+Before torchrun starts the ranks (and with ``--dry-run`` too: it is how a job is checked without training),
+the trainer's own start-up checks run in one process (``python -m memfit_trainer.launch_check``; the core
+imports no torch): the config against this machine, the tokenizer, the model's config, the training and
+validation data against one micro-batch per rank. What they refuse is the trainer's one line and exit 2.
 """
 
 from __future__ import annotations
@@ -238,9 +243,44 @@ def run_local(job_file: Path, ranks: int | None, mount_args: list[str], workdir:
     device = "GPU(s)" if machine.has_gpus else "CPU process(es)"
     print(f"memfit run: {result.chosen.strategy.summary()} ({ranks} {device})")
     print(f"memfit run: trainer config {config_path}")
+    env = trainer_env(machine.has_gpus)
+    _say(f"checking the model, the tokenizer and the data as {ranks} rank(s) will load them")
+    refused = launch_check(config_path, env)
+    if refused is not None:
+        code, line = refused
+        print(f"memfit run: error: {line}", file=sys.stderr)
+        return code
     if dry_run:
         return 0
-    return _torchrun(config_path, ranks, machine.has_gpus, Path(config.termination_log))
+    return _torchrun(config_path, ranks, env, Path(config.termination_log))
+
+
+def trainer_env(has_gpus: bool) -> dict[str, str]:
+    """The environment of the trainer's processes (the launch check's too): ours, plus one thread per rank, the
+    Hub offline (a model comes from its claim or the local cache, never a download) and, without GPUs,
+    DeepSpeed on the CPU, unless already set."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    if not has_gpus:
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    return env
+
+
+def launch_check(config_path: Path, env: dict[str, str]) -> tuple[ExitCode, str] | None:
+    """None when the trainer would start (memfit_trainer.launch_check); else the exit code and the line to say:
+    the trainer's own refusal (exit 2), or how the check itself failed (a bug: exit 3). What the check printed
+    while passing (datasets' progress bars) is dropped."""
+    command = [sys.executable, "-m", "memfit_trainer.launch_check", "--config", str(config_path)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if done.returncode == 0:
+        return None
+    lines = done.stderr.strip().splitlines()
+    refusals = [line.removeprefix(CONFIG_ERROR_PREFIX) for line in lines if line.startswith(CONFIG_ERROR_PREFIX)]
+    if done.returncode == ExitCode.BAD_INPUT and refusals:
+        return ExitCode.BAD_INPUT, refusals[-1]
+    said = lines[-1] if lines else "nothing said"
+    return ExitCode.INTERNAL_ERROR, f"the trainer's launch check failed (exit {done.returncode}): {said}"
 
 
 def relay_stderr(stream: IO[bytes]) -> str | None:
@@ -258,15 +298,10 @@ def relay_stderr(stream: IO[bytes]) -> str | None:
     return refused
 
 
-def _torchrun(config_path: Path, ranks: int, has_gpus: bool, termination_log: Path) -> int:
+def _torchrun(config_path: Path, ranks: int, env: dict[str, str], termination_log: Path) -> int:
     """Run the trainer's ranks; a start-up refusal (exit 2 and a ConfigError termination message) comes back
     as the trainer's one line and exit 2, not as torchrun's report of failed workers."""
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    if not has_gpus:
-        env.setdefault("DS_ACCELERATOR", "cpu")
     command = [torchrun, "--standalone", f"--nproc-per-node={ranks}", "-m", "memfit_trainer.main",
                "--config", str(config_path)]  # fmt: skip
     termination_log.unlink(missing_ok=True)  # an earlier run's message is not this run's

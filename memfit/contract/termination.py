@@ -31,6 +31,12 @@ CONFIG_ERROR_PREFIX = "memfit-train: "
 """How the trainer's one stderr line about a refused config begins (:func:`report_config_error`)."""
 
 
+def one_line(error: BaseException) -> str:
+    """A library's exception message on one line, as a refusal is said (transformers' and datasets' span
+    several); the exception's type where it has no message."""
+    return " ".join(str(error).split()) or type(error).__name__
+
+
 def fitted_message(fields: dict[str, Any], message: str, limit: int = MAX_TERMINATION_MESSAGE_BYTES) -> str:
     """``fields`` plus ``message`` as JSON; a too long ``message`` is cut to the longest prefix (plus ``...``)
     within ``limit`` bytes."""

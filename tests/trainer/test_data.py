@@ -136,6 +136,7 @@ def test_load_tokenizer_errors_are_explicit(tmp_path: Path, monkeypatch: pytest.
     with pytest.raises(TokenizerLoadError, match=r"not in the local hub cache.*\$MY_TOKEN: set") as info:
         load_tokenizer("memfit-test/no-such-model", token_env="MY_TOKEN", local_files_only=True)
     assert "hf_secret" not in str(info.value)
+    assert "\n" not in str(info.value)  # the trainer's one line (transformers' own message spans two)
 
 
 # --- files and fields --------------------------------------------------------------------------------
@@ -181,6 +182,15 @@ def test_empty_dataset(tmp_path: Path, streaming: bool) -> None:
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(EmptyDatasetError, match="no records"):
         load_records(DataSource(str(tmp_path / "empty.jsonl"), text_field="text", streaming=streaming), str(tmp_path))
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_file_that_does_not_parse_is_one_line(tmp_path: Path, streaming: bool) -> None:
+    (tmp_path / "broken.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
+    source = DataSource(str(tmp_path / "broken.jsonl"), text_field="text", streaming=streaming)
+    with pytest.raises(DataError, match=r"broken.jsonl' cannot be read as json: JSON parse error") as info:
+        load_records(source, str(tmp_path / "c"))
+    assert "\n" not in str(info.value)
 
 
 def test_exactly_one_field() -> None:

@@ -52,6 +52,7 @@ import torch
 
 from memfit.api.vocabulary import DatasetFormat, TrainOn
 from memfit.contract.sections import DataConfig
+from memfit.contract.termination import one_line
 from memfit_trainer.blocks import (
     DOCUMENT,
     IDS,
@@ -221,15 +222,20 @@ def load_records(source: DataSource, cache_dir: str | None = None) -> Any:
     """The source's records as a ``datasets`` Dataset (or IterableDataset when streaming), checked non-empty
     and carrying the configured field."""
     from datasets import load_dataset
+    from datasets.exceptions import DatasetGenerationError
+    from pyarrow import ArrowInvalid
 
     builder, files = resolve_data_files(source.path, source.format)
     try:
         records = load_dataset(
             builder, data_files=files, split="train", streaming=source.streaming, cache_dir=cache_dir
         )
+        first = next(iter(records.take(1)), None)
     except StopIteration as exc:  # the json builder's way of saying "no rows at all"
         raise EmptyDatasetError(f"dataset {source.path!r} has no records") from exc
-    first = next(iter(records.take(1)), None)
+    except (DatasetGenerationError, ArrowInvalid) as exc:  # a file it cannot parse (a stream: at its first rows)
+        reason = one_line(exc.__cause__ or exc)
+        raise DataError(f"dataset {source.path!r} cannot be read as {builder}: {reason}") from exc
     if first is None:
         raise EmptyDatasetError(f"dataset {source.path!r} has no records")
     fields = list(records.column_names or first.keys())

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ from memfit.contract.trainer_config import TrainerConfig
 from memfit_trainer import activation_offload, chunked_loss
 from memfit_trainer.checkpoint import CheckpointManager
 from memfit_trainer.console import ConsoleProgress
-from memfit_trainer.data import BatchShape, DataPosition, DataSource, PackedBatches, flash_varlen_kwargs
+from memfit_trainer.data import DataPosition, flash_varlen_kwargs
 from memfit_trainer.engine import build_engine
 from memfit_trainer.export import save_final
 from memfit_trainer.metrics import TrainerMetrics
@@ -42,7 +42,7 @@ from memfit_trainer.resume import check_layout, find_start, resume, save_checkpo
 from memfit_trainer.run import Ranks, Run
 from memfit_trainer.technique import BatchLoss, Technique
 from memfit_trainer.training_engine import TrainingEngine
-from memfit_trainer.validation import HeldOut, Validation, report_validation, training_and_validation
+from memfit_trainer.validation import Validation, config_data, report_validation
 
 TECHNIQUES: tuple[Technique, ...] = (chunked_loss.install, activation_offload.install)
 """Installed in this order (the order their lines appear in the log)."""
@@ -63,20 +63,6 @@ def _hold(step: int) -> None:
         return
     while not os.path.exists(release):
         time.sleep(HOLD_POLL_SECONDS)
-
-
-def _batches(config: TrainerConfig, tokenizer: Any, ranks: Ranks) -> tuple[PackedBatches, HeldOut | None]:
-    """The training batches and, with ``data.validation``, the held-out ones (:mod:`memfit_trainer.validation`)."""
-    data = config.data
-    source = DataSource.from_config(data)
-    shape = BatchShape(
-        sequence_length=config.training.sequence_length,
-        micro_batch_size=config.training.micro_batch_size,
-        rank=ranks.rank,
-        world_size=ranks.world_size,
-        seed=config.training.seed,
-    )
-    return training_and_validation(source, tokenizer, data.validation, shape)
 
 
 def _mean_across_ranks(value: torch.Tensor) -> float:
@@ -130,7 +116,7 @@ def train(config: TrainerConfig, ranks: Ranks, metrics: TrainerMetrics, guard: O
         check_layout(manager, start.step, config.layout.to_dict())
 
     built = build_model(config, ranks.local_rank)
-    batches, held_out = _batches(config, built.tokenizer, ranks)
+    batches, held_out = config_data(config, built.tokenizer, ranks.rank, ranks.world_size)
     total = total_optimizer_steps(training, batches.micro_batches_per_epoch)
     engine = build_engine(config, built.model, total, converted=start.conversion is not None)
     run = Run(config, ranks, engine, manager, batches)

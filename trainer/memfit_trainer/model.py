@@ -14,6 +14,7 @@ import importlib.util
 import os
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,9 +24,10 @@ from memfit.contract.engines import DeepSpeedEngineSection
 from memfit.contract.model_match import fields_mismatch, shape_mismatch
 from memfit.contract.reader import ConfigError
 from memfit.contract.sections import LoraConfig, ModelConfig
+from memfit.contract.termination import one_line
 from memfit.contract.trainer_config import TrainerConfig
 from memfit_trainer.hf_config import transformers_config
-from memfit_trainer.tokenizer import model_tokenizer
+from memfit_trainer.tokenizer import hub_miss, model_tokenizer
 
 DTYPES: dict[Precision, torch.dtype] = {
     Precision.BF16: torch.bfloat16,
@@ -127,17 +129,26 @@ def attention_problem(hf_config: Any, attention: Attention) -> str | None:
 
 def pretrained_config(model_config: ModelConfig) -> Any:
     """The model's ``PretrainedConfig``: built from the architecture for randomInit, else read (from the
-    directory, or fetched from the Hub) as ``transformers`` resolves it, class defaults filled in."""
+    directory, or fetched from the Hub) as ``transformers`` resolves it, class defaults filled in. One that
+    cannot be read (no network, not in the offline cache, an unknown model_type) is a ConfigError naming it."""
     if model_config.random_init:
         assert model_config.architecture is not None  # guaranteed by ModelConfig's validator
         return transformers_config(model_config.architecture)
+    from huggingface_hub import is_offline_mode
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(
-        model_config.name_or_path,
-        revision=model_config.revision,
-        token=os.environ.get(model_config.token_env) or None,
-    )
+    name = model_config.name_or_path
+    try:
+        return AutoConfig.from_pretrained(
+            name, revision=model_config.revision, token=os.environ.get(model_config.token_env) or None
+        )
+    except (OSError, ValueError) as error:  # transformers' own
+        if Path(name).is_dir():
+            raise ConfigError(
+                f"model directory {name}: transformers cannot read its config ({one_line(error)})"
+            ) from error
+        hint = hub_miss(name, model_config.token_env, offline=is_offline_mode())
+        raise ConfigError(f"cannot read the model's config: {hint}: {one_line(error)}") from error
 
 
 LINEAR_ATTENTION = "linear_attention"
@@ -177,6 +188,15 @@ def check_model_class(config: TrainerConfig, hf_config: Any) -> None:
         raise ConfigError(problem)
 
 
+def checked_config(config: TrainerConfig) -> Any:
+    """The model's ``PretrainedConfig``, refused (ConfigError) when it is not the planned shape or its class
+    cannot do what the config asks: before any weights load (and before torchrun: memfit_trainer.launch_check)."""
+    hf_config = pretrained_config(config.model)
+    check_planned_shape(config.model, hf_config)
+    check_model_class(config, hf_config)
+    return hf_config
+
+
 def _load_base(config: TrainerConfig, local_rank: int) -> Any:
     """The base model, randomly initialised (seeded: identical on every rank and every restart) or loaded."""
     from safetensors.torch import save_model
@@ -187,9 +207,7 @@ def _load_base(config: TrainerConfig, local_rank: int) -> Any:
         "dtype": torch.bfloat16 if training.method == Method.QLORA else DTYPES[training.precision],
         "attn_implementation": ATTENTION[training.attention],  # flash-attn presence: see preflight
     }
-    hf_config = pretrained_config(model_config)
-    check_planned_shape(model_config, hf_config)
-    check_model_class(config, hf_config)
+    hf_config = checked_config(config)
     if model_config.random_init:
         torch.manual_seed(training.seed)
         # transformers' from_config is unannotated (the type: ignores on it below).

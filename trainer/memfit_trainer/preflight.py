@@ -137,11 +137,8 @@ def _model_class_problem(config: TrainerConfig) -> str | None:
 
     try:
         return model_class_problem(config, pretrained_config(config.model))
-    except ConfigError as error:
+    except ConfigError as error:  # a config transformers cannot read, or no causal LM for it
         return str(error)
-    except (OSError, ValueError) as error:  # transformers' own: an unknown model_type, a broken config
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        return f"model directory {config.model.name_or_path}: transformers cannot read its config ({reason})"
 
 
 def check(config: TrainerConfig, environ: Mapping[str, str]) -> None:

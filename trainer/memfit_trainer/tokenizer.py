@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.contract.sections import ModelConfig
+from memfit.contract.termination import one_line
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -60,6 +61,17 @@ def byte_level_tokenizer() -> Any:
     )
 
 
+def hub_miss(name_or_path: str, token_env: str, offline: bool) -> str:
+    """Why a Hub id did not load and what to do, said alike for the tokenizer and the model's config (the
+    token only as set or not)."""
+    where = "in the local hub cache (offline mode)" if offline else "reachable on the hub"
+    return (
+        f"{name_or_path!r} is not a local path and is not {where} (token from ${token_env}: "
+        f"{'set' if os.environ.get(token_env) else 'not set'}); without network access, pre-download it into the "
+        "image or a volume and pass that directory; for a gated or private model set the token variable"
+    )
+
+
 def load_tokenizer(
     name_or_path: str,
     token_env: str = DEFAULT_TOKEN_ENV,
@@ -92,15 +104,8 @@ def load_tokenizer(
         if is_local:
             hint = f"the directory {str(local)!r} has no loadable tokenizer (tokenizer.json, tokenizer_config.json)"
         else:
-            offline = local_files_only or is_offline_mode()
-            hint = (
-                f"{name_or_path!r} is not a local path and is not "
-                + ("in the local hub cache (offline mode)" if offline else "reachable on the hub")
-                + f" (token from ${token_env}: {'set' if token else 'not set'}); without network access, "
-                "pre-download it into the image or a volume and pass that directory; for a gated or private "
-                "model set the token variable"
-            )
-        raise TokenizerLoadError(f"cannot load tokenizer: {hint}: {exc}") from exc
+            hint = hub_miss(name_or_path, token_env, offline=local_files_only or is_offline_mode())
+        raise TokenizerLoadError(f"cannot load tokenizer: {hint}: {one_line(exc)}") from exc
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

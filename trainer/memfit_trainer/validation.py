@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from memfit.contract.sections import ValidationConfig
+from memfit.contract.trainer_config import TrainerConfig
 from memfit_trainer.blocks import IGNORE_INDEX
 from memfit_trainer.chunked_loss import shift_labels
 from memfit_trainer.console import ConsoleProgress
@@ -101,6 +102,19 @@ def training_and_validation(
     what = f"validation.fraction {validation.fraction} of {source.path!r}"
     training = _packed(kept, tokenizer, source, shape, shuffle=True)
     return training, _held_out(held, tokenizer, source, shape, validation, what)
+
+
+def config_data(
+    config: TrainerConfig, tokenizer: Any, rank: int, world_size: int
+) -> tuple[PackedBatches, HeldOut | None]:
+    """The training batches and, with ``data.validation``, the held-out ones, as rank ``rank`` of
+    ``world_size`` builds them from the trainer config (the loop's, and memfit_trainer.launch_check's)."""
+    training = config.training
+    shape = BatchShape(training.sequence_length, training.micro_batch_size, rank, world_size, training.seed)
+    try:
+        return training_and_validation(DataSource.from_config(config.data), tokenizer, config.data.validation, shape)
+    except FileNotFoundError as error:  # a data directory without data files
+        raise DataError(f"data.path: {error}") from error
 
 
 def one_pass(batches: PackedBatches) -> Iterator[dict[str, torch.Tensor]]:
