@@ -42,11 +42,10 @@ from memfit.api.vocabulary import (
     TrainOn,
     ZeroStage,
 )
-from memfit.catalog.model_configs import stored_profile, stored_profile_names
+from memfit.catalog.model_configs import stored_profile_names, stored_profiled_model
 from memfit.catalog.models import MODEL_PRESETS, model_preset
 from memfit.model_shape import ModelFamily, ModelShape
 from memfit.planned_model import PlannedModel, adapter_problem
-from memfit.profiled_model import ProfiledModel
 
 # Bounds of a FineTuneJob (see memfit.api.base): each far beyond any published model or real job.
 MAX_HIDDEN_SIZE: Final = 131_072
@@ -155,9 +154,9 @@ class Architecture(ApiModel):
         name = self.profiled_preset
         if name is None:
             return self.shape()
-        profile = stored_profile(name)
-        assert profile is not None  # the validator accepts only stored profiles' names
-        return ProfiledModel(profile)
+        model = stored_profiled_model(name)
+        assert model is not None  # the validator accepts only stored profiles' names
+        return model
 
     def shape(self) -> ModelShape:
         """The typed shape the family formulas work on (a preset planned from a profile has none)."""
@@ -201,6 +200,18 @@ class ModelSpec(ApiModel):
     """A tokenizer other than the model's own: a directory inside the model volume when `source` is a
     claim, else a Hub id. Default: the model's own (`name`); randomInit models use a built-in byte-level
     tokenizer unless this is set."""
+
+    def planned(self, profiled: PlannedModel | None = None) -> PlannedModel:
+        """What plans and renders count this model by: ``profiled`` (its profile, read from its config.json)
+        when given, else the typed architecture; ValueError when there is neither."""
+        if profiled is not None:
+            return profiled
+        if self.architecture is None:
+            raise ValueError(
+                "spec.model.architecture is not given: memfit plans such a model from its config.json "
+                "(memfit plan --mount CLAIM=DIR, with the model's claim mounted)"
+            )
+        return self.architecture.planned()
 
     @model_validator(mode="after")
     def _random_init_needs_sizes(self) -> ModelSpec:

@@ -12,6 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from memfit.profile import ModelProfile, canonical_config_sha256
+from memfit.profiled_model import ProfiledModel
 
 CONFIGS_DIR = Path(__file__).parent / "configs"
 
@@ -39,6 +40,13 @@ def stored_profile(name: str) -> ModelProfile | None:
     """The stored profile of the stored config ``name``, None if there is none."""
     path = PROFILES_DIR / f"{name}.json"
     return ModelProfile.model_validate_json(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+@lru_cache(maxsize=64)
+def stored_profiled_model(name: str) -> ProfiledModel | None:
+    """The planner's model of the stored profile ``name`` (built once: it serialises the profile for its key)."""
+    profile = stored_profile(name)
+    return ProfiledModel(profile) if profile is not None else None
 
 
 @lru_cache(maxsize=1)

@@ -210,14 +210,10 @@ def plan_job(
 def planned_model(spec: FineTuneJobSpec, model: PlannedModel | None) -> PlannedModel:
     """``model`` (a profile's) if given, else the typed sizes; PlanningError when the job gives neither, or pins
     what the model's description cannot estimate, or LoRA targets peft cannot build on it."""
-    if model is None:
-        architecture = spec.model.architecture
-        if architecture is None:
-            raise PlanningError(
-                "spec.model.architecture is not given: memfit plans such a model from its config.json "
-                "(memfit plan --mount CLAIM=DIR, with the model's claim mounted)"
-            )
-        model = architecture.planned()
+    try:
+        model = spec.model.planned(model)
+    except ValueError as error:
+        raise PlanningError(str(error)) from None
     pinned = frozenset(technique.knob for technique in TECHNIQUES if getattr(spec.strategy, technique.knob))
     precision = Precision.BF16 if spec.training.precision is Precision.AUTO else spec.training.precision
     problem = model.unplannable(precision, spec.strategy.attention, pinned)

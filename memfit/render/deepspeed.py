@@ -44,15 +44,6 @@ def default_learning_rate(method: Method) -> float:
     return 2e-5 if method == Method.FULL else 2e-4
 
 
-def typed_model(spec: FineTuneJobSpec, model: PlannedModel | None) -> PlannedModel:
-    """``model`` when given (a profile's), else the sizes the job types."""
-    if model is not None:
-        return model
-    if spec.model.architecture is None:
-        raise ValueError("the job types no spec.model.architecture: render it with the model's profile")
-    return spec.model.architecture.planned()
-
-
 def deepspeed_config(spec: FineTuneJobSpec, strategy: Strategy, model: PlannedModel | None = None) -> dict[str, Any]:
     """The DeepSpeed JSON for running ``spec`` with ``strategy``. A strategy that would not run as planned
     (``memfit.api.knobs.conflicts``: e.g. parameter offload, which DeepSpeed ignores below ZeRO-3) is an error,
@@ -60,7 +51,7 @@ def deepspeed_config(spec: FineTuneJobSpec, strategy: Strategy, model: PlannedMo
     conflicts = knob_conflicts(strategy.knobs())
     if conflicts:
         raise ValueError(f"strategy {strategy.summary()!r} cannot run as planned: " + "; ".join(conflicts))
-    shape = typed_model(spec, model)
+    shape = spec.model.planned(model)
     training = spec.training
     config: dict[str, Any] = {
         "train_batch_size": training.global_batch_size,

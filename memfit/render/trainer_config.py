@@ -30,7 +30,7 @@ from memfit.contract.sections import (
 )
 from memfit.contract.trainer_config import TrainerConfig
 from memfit.planned_model import PlannedModel, lora_dropout
-from memfit.render.deepspeed import deepspeed_config, default_learning_rate, typed_model
+from memfit.render.deepspeed import deepspeed_config, default_learning_rate
 from memfit.render.fsdp2 import fsdp2_config
 
 
@@ -129,7 +129,7 @@ def render_trainer_config(
 ) -> TrainerConfig:
     """The trainer's config for running ``plan``; ``planned``: the profiled model the plan was made for."""
     spec, strategy = job.spec, plan.strategy
-    planned = typed_model(spec, planned)
+    planned = spec.model.planned(planned)
     model = model_config(spec.model, mounts.model, planned.planned_fields())
     model_volume = mounts.model if _on_claim(spec.model) else None
     training = spec.training

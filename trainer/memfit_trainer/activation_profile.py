@@ -382,9 +382,10 @@ def activation_profile(config: dict[str, Any], tokens: Sequence[int] | None = No
     window = getattr(text, "sliding_window", None) if any("sliding" in kind for kind in kinds) else None
     attention = attention_kernel(text)
     counts = tuple(tokens or token_counts(window))
+    outside_counts = tuple(tokens or DEFAULT_TOKENS)  # no window bounds a term outside the layers
 
     def terms(setup: Setup) -> ActivationTerms:
-        return activation_terms(text, kinds, attention, counts, setup, window)
+        return activation_terms(text, kinds, attention, counts, setup, window, outside_counts)
 
     full = terms(FULL)
     full_checkpointed = terms(Setup(checkpointing=True))
@@ -416,10 +417,11 @@ def activation_terms(
     counts: Sequence[int],
     setup: Setup,
     window: int | None = None,
+    outside_counts: Sequence[int] | None = None,
 ) -> ActivationTerms:
     """The terms of one setup: a trace per token count, each term solved exactly over them, with the model's own
-    loss and, for the terms outside the layers (the layers keep the same), the chunked loss: None where a step
-    with it fails."""
+    loss and, for the terms outside the layers (the layers keep the same), the chunked loss, traced at
+    ``outside_counts`` (default ``counts``): None where a step with it fails."""
 
     def every_term(traces: list[Trace]) -> list[ActivationTerm]:
         layers = _layers(traces, kinds, attention, window)
@@ -428,16 +430,23 @@ def activation_terms(
         ]
 
     traces = _exact_traces(text, kinds, attention, counts, setup, every_term)
-    try:
-        chunked_setup = replace(setup, chunked_loss=True)
-        chunked = _outside(
-            _exact_traces(text, kinds, attention, counts, chunked_setup, lambda found: _outside_list(_outside(found)))
-        )
-    except Exception:  # the model's own code under the chunked loss: whatever it raises, the planner leaves it off
-        chunked = None
     return ActivationTerms(
-        outside=_outside(traces), chunked_loss=chunked, layers=_layers(traces, kinds, attention, window)
+        outside=_outside(traces),
+        chunked_loss=_chunked_loss_terms(text, kinds, attention, outside_counts or counts, setup),
+        layers=_layers(traces, kinds, attention, window),
     )
+
+
+def _chunked_loss_terms(
+    text: Any, kinds: Sequence[str], attention: str, counts: Sequence[int], setup: Setup
+) -> OutsideTerms | None:
+    """The terms outside the layers with the trainer's chunked loss; None where a step with it fails."""
+    chunked = replace(setup, chunked_loss=True)
+    try:
+        traces = _exact_traces(text, kinds, attention, counts, chunked, lambda found: _outside_list(_outside(found)))
+    except Exception:  # the model's own code under the chunked loss: whatever it raises, the planner leaves it off
+        return None
+    return _outside(traces)
 
 
 LONGER = (2, 3, 4)

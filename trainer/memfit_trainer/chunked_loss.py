@@ -18,7 +18,7 @@ neither is installed, this pure-PyTorch function.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -205,7 +205,7 @@ def text_decoder(causal_lm: Any) -> Any:
 def causal_lm_loss(
     forward: Callable[..., Any],
     causal_lm: Any,
-    batch: dict[str, torch.Tensor],
+    batch: Mapping[str, torch.Tensor],
     loss_function: LossFunction = chunked_cross_entropy,
 ) -> torch.Tensor:
     """The loss of ``batch`` with the LM head inside the loss: ``forward`` (the engine, the peft model or
