@@ -12,8 +12,10 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # A real kube-apiserver + etcd for tests/k8s (the envtest convention): KUBEBUILDER_ASSETS if set, else the
 # shared script builds and caches them (minutes the first time).
 ENVTEST ?= ../shared/k8s/envtest-assets
-# DeepSpeed compiles its CPU ops on first use (minutes): keep them across runs.
-export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/memfit/torch_extensions
+# DeepSpeed compiles its CPU ops on first use (minutes): keep them across runs, one directory per virtual
+# environment (ninja rebuilds an op whose include paths changed, so two checkouts sharing one directory would
+# rebuild each other's ops, and wait on each other's locks, on every alternation).
+export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/memfit/torch_extensions/$(shell printf %s "$(abspath $(VENV))" | sha256sum | cut -c1-12)
 
 .PHONY: setup tools test test-fast demo profiles crds dashboards lint bench
 

@@ -263,6 +263,7 @@ def test_the_lm_head_stays_16_bit(profiles: dict[str, ModelProfile]) -> None:
     assert [group.name for group in lm_head] == ["lm_head.weight"] and not lm_head[0].quantizable
 
 
+@pytest.mark.slow
 def test_all_linear_leaves_out_linears_with_a_forward_of_their_own_and_llama4_lora_trains() -> None:
     """Llama 4's router is an ``nn.Linear`` whose forward returns a tuple: peft's adapter on it would fail in
     the first step, so ``all-linear`` leaves it out, and the traced LoRA step of the model succeeds."""

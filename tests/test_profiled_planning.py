@@ -7,6 +7,7 @@ Where a family has formulas too (Llama 3.1 8B), the profile and the formulas mus
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from collections import Counter
@@ -17,6 +18,7 @@ import pytest
 import yaml
 
 from memfit.api.finetunejob import FineTuneJobSpec
+from memfit.api.plan import PlanResult
 from memfit.api.vocabulary import Attention, Method, Precision
 from memfit.catalog.model_configs import stored_config_path, stored_profile, stored_profile_names
 from memfit.catalog.models import model_preset
@@ -282,3 +284,37 @@ def test_gpt_oss_backward_holds_its_attention_scores_beyond_2048_tokens() -> Non
     for layer in model.activations.full.layers:
         assert layer.backward_peak.exact and layer.backward_peak.valid_from == 2048
         assert layer.backward_peak.per_token_squared == 64 * 4  # 64 heads, fp32 scores
+
+
+@pytest.mark.parametrize("name", sorted(STORED_TOTALS))
+def test_every_stored_profile_traces_the_chunked_loss(name: str) -> None:
+    """Every stored model's step ran with the trainer's chunked loss (its terms are in the profile): only
+    activation offloading is left untraced."""
+    assert profiled(name).untraced_techniques == {"activation_offloading"}
+
+
+def test_the_chunked_loss_spares_a_large_vocabulary_its_logits() -> None:
+    """Gemma 3's 262,144-entry vocabulary: with the model's own loss, its fp32 logits (and more) stand on every
+    layer's saved activations at the loss; the chunked loss holds one chunk of them."""
+    model = profiled("gemma-3-12b")
+    plain, chunked = (
+        model_activations(model, dataclasses.replace(_setup(Method.FULL, True), chunked_loss=on))
+        for on in (False, True)
+    )
+    fp32_logits = 4096 * model.profile.vocab_size * 4
+    assert plain.loss_moment - chunked.loss_moment >= fp32_logits
+    assert chunked.peak < plain.peak
+
+
+def test_the_planner_chooses_the_chunked_loss_for_a_profiled_model_where_it_buys_a_fit() -> None:
+    """Gemma 3 12B LoRA, micro-batches of 8 rows of 4096 tokens on one 80 GB A100: without the chunked loss the
+    logits do not fit; the search turns it on by itself, and its plan is the one pinned with it."""
+
+    def plan(**strategy: Any) -> PlanResult:
+        pins = {"microBatchSize": 8, "gradientCheckpointing": True, **strategy}
+        return plan_job(job("gemma-3-12b", "lora", batch=8, sequence=4096, strategy=pins), [ONE_A100])
+
+    without, pinned, searched = plan(chunkedLoss=False), plan(chunkedLoss=True), plan()
+    assert without.chosen is None and pinned.chosen is not None and searched.chosen is not None
+    assert searched.chosen.strategy.chunked_loss
+    assert searched.chosen.memory.per_gpu.total == pinned.chosen.memory.per_gpu.total

@@ -1,8 +1,11 @@
 """The stored profiles are what the profiler makes now from the stored configs (``make profiles`` rewrites them).
 
 A change to the profiler, to transformers or peft, or to a stored config.json shows up here as a drift of the
-numbers every plan of those models reads. The profiler's code path is the model type's, so the suite profiles
-the smallest stored config of each ``model_type`` (profiling all of them takes about ten minutes on 2 cores).
+numbers every plan of those models reads. The profiler's code path is the model type's, so the suite checks
+the smallest stored config of each ``model_type``: its inventory (parameters, 4-bit tensors, LoRA targets,
+kernels) whole, and its traced activations for full fine-tuning with both losses; one model is profiled whole,
+every traced setup (the setups' code is shared by every model type, and tests/test_activation_profile.py traces
+each of them on every family). Profiling every stored config whole takes about half an hour on 2 cores.
 """
 
 from __future__ import annotations
@@ -13,10 +16,13 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from memfit.catalog.model_configs import PROFILES_DIR, stored_config_names, stored_config_path  # noqa: E402
-from memfit.profile import ModelProfile  # noqa: E402
+from memfit.catalog.model_configs import stored_config_names, stored_config_path, stored_profile  # noqa: E402
+from memfit_trainer.activation_profile import FULL, TracedModel  # noqa: E402
 from memfit_trainer.profile import profile, read_config  # noqa: E402
 from tests.stored_models import STORED_TOTALS  # noqa: E402
+
+PROFILED_WHOLE = "llama-3.2-1b"
+"""The smallest stored model: every setup of it is traced again."""
 
 
 def smallest_of_each_model_type() -> list[str]:
@@ -28,11 +34,24 @@ def smallest_of_each_model_type() -> list[str]:
     return sorted(by_type.values())
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", smallest_of_each_model_type())
-def test_the_stored_profile_is_what_the_profiler_makes_now(name: str) -> None:
+def _config(name: str) -> dict[str, object]:
     path = stored_config_path(name)
     assert path is not None
-    made = profile(read_config(path), activations=True)
-    stored = ModelProfile.model_validate_json((PROFILES_DIR / f"{name}.json").read_text())
-    assert made == stored, f"{name}: the stored profile drifted; run make profiles"
+    return read_config(path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", smallest_of_each_model_type())
+def test_the_stored_inventory_and_full_fine_tuning_terms_are_what_the_profiler_makes_now(name: str) -> None:
+    stored = stored_profile(name)
+    assert stored is not None and stored.activations is not None
+    config = _config(name)
+    assert profile(config) == stored.model_copy(update={"activations": None}), f"{name}: drifted; make profiles"
+    assert TracedModel.of(config).terms(FULL) == stored.activations.full, f"{name}: drifted; run make profiles"
+
+
+@pytest.mark.slow
+def test_one_stored_profile_is_what_the_profiler_makes_now_in_every_setup() -> None:
+    assert PROFILED_WHOLE in smallest_of_each_model_type()
+    made = profile(_config(PROFILED_WHOLE), activations=True)
+    assert made == stored_profile(PROFILED_WHOLE), f"{PROFILED_WHOLE}: the stored profile drifted; run make profiles"

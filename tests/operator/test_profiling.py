@@ -12,7 +12,7 @@ import pytest
 
 from memfit.api.finetunejob import FineTuneJob
 from memfit.api.vocabulary import Phase
-from memfit.catalog.model_configs import stored_profile
+from memfit.catalog.model_configs import stored_profile, stored_profile_names
 from memfit.contract.profile_message import ProfileMessageError, decode_profile_message, encode_profile_message
 from memfit.contract.termination import fitted_message
 from memfit.planner.replan import replan_after_oom
@@ -350,6 +350,15 @@ def test_a_profile_message_fits_a_termination_message_and_round_trips() -> None:
     assert len(message) <= 4096 and message.isascii()
     assert encode_profile_message(PROFILE) == message  # deterministic (no gzip timestamp)
     assert decode_profile_message(message) == PROFILE
+
+
+@pytest.mark.parametrize("name", stored_profile_names())
+def test_every_stored_models_profile_fits_a_termination_message(name: str) -> None:
+    """The operator receives a profile through the pod's termination message: every model memfit stores (up to
+    gpt-oss-120b's four traced setups with both losses) must pass through it."""
+    profile = stored_profile(name)
+    assert profile is not None
+    assert decode_profile_message(encode_profile_message(profile)) == profile
 
 
 @pytest.mark.parametrize("message", ["", '{"reason": "ConfigError"}', "aGVsbG8=", "!!!"])

@@ -375,31 +375,49 @@ def token_counts(window: int | None) -> tuple[int, ...]:
     return tuple(sorted(set(DEFAULT_TOKENS) | extra))
 
 
+@dataclass(frozen=True)
+class TracedModel:
+    """What every traced setup of one model shares: its text config, layer types, window, kernel and counts."""
+
+    text: Any
+    kinds: tuple[str, ...]
+    window: int | None
+    attention: str
+    counts: tuple[int, ...]
+    outside_counts: tuple[int, ...]
+    """Where the chunked loss's terms are traced: no window bounds a term outside the layers."""
+
+    @classmethod
+    def of(cls, config: dict[str, Any], tokens: Sequence[int] | None = None) -> TracedModel:
+        text = text_config(config)
+        kinds = distinct_layer_types(text)
+        window = getattr(text, "sliding_window", None) if any("sliding" in kind for kind in kinds) else None
+        counts = tuple(tokens or token_counts(window))
+        return cls(text, kinds, window, attention_kernel(text), counts, tuple(tokens or DEFAULT_TOKENS))
+
+    def terms(self, setup: Setup) -> ActivationTerms:
+        """The setup's terms, each solved exactly from its traces (:func:`activation_terms`)."""
+        return activation_terms(
+            self.text, self.kinds, self.attention, self.counts, setup, self.window, self.outside_counts
+        )
+
+
 def activation_profile(config: dict[str, Any], tokens: Sequence[int] | None = None) -> ActivationProfile:
     """Trace one layer of each type at each token count, full and LoRA, and solve every term exactly."""
-    text = text_config(config)
-    kinds = distinct_layer_types(text)
-    window = getattr(text, "sliding_window", None) if any("sliding" in kind for kind in kinds) else None
-    attention = attention_kernel(text)
-    counts = tuple(tokens or token_counts(window))
-    outside_counts = tuple(tokens or DEFAULT_TOKENS)  # no window bounds a term outside the layers
-
-    def terms(setup: Setup) -> ActivationTerms:
-        return activation_terms(text, kinds, attention, counts, setup, window, outside_counts)
-
-    full = terms(FULL)
-    full_checkpointed = terms(Setup(checkpointing=True))
+    model = TracedModel.of(config, tokens)
+    full = model.terms(FULL)
+    full_checkpointed = model.terms(Setup(checkpointing=True))
     lora_terms: tuple[ActivationTerms, ActivationTerms] | None = None
     failure: str | None = None
     try:
-        lora = lora_of(text, kinds, attention)
-        lora_terms = terms(Setup(lora=lora)), terms(Setup(lora=lora, checkpointing=True))
+        lora = lora_of(model.text, model.kinds, model.attention)
+        lora_terms = model.terms(Setup(lora=lora)), model.terms(Setup(lora=lora, checkpointing=True))
     except Exception as error:  # the model's own code with peft's adapters: whatever it raises, LoRA cannot train it
         lora, failure = DEFAULT_LORA, " ".join(f"{type(error).__name__}: {error}".split())[:MESSAGE_LENGTH]
     return ActivationProfile(
         dtype=DTYPE,
         micro_batch=1,
-        attention=attention,
+        attention=model.attention,
         full=full,
         full_checkpointed=full_checkpointed,
         lora=lora_terms[0] if lora_terms else None,
