@@ -284,3 +284,9 @@ def test_the_chunked_loss_terms_compose_within_5_percent_of_a_whole_model_trace(
     )
     peak = composed(traced, kinds, int(text.hidden_size), plan).peak
     assert abs(peak - whole.peak) <= 0.05 * whole.peak, (peak, whole.peak)
+
+
+@pytest.mark.slow
+def test_setups_traced_in_worker_processes_are_the_ones_traced_here(profiles: dict[str, ActivationProfile]) -> None:
+    """The profile traces its setups in two forked workers where it may run on two CPUs: the same terms."""
+    assert activation_profile(CONFIGS["gpt_oss"], _tokens("gpt_oss"), workers=1) == profiles["gpt_oss"]

@@ -27,7 +27,10 @@ form reproduces keeps its measured points.
 from __future__ import annotations
 
 import copy
+import multiprocessing
+import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
@@ -402,30 +405,56 @@ class TracedModel:
         )
 
 
-def activation_profile(config: dict[str, Any], tokens: Sequence[int] | None = None) -> ActivationProfile:
-    """Trace one layer of each type at each token count, full and LoRA, and solve every term exactly."""
+def activation_profile(
+    config: dict[str, Any], tokens: Sequence[int] | None = None, workers: int | None = None
+) -> ActivationProfile:
+    """Trace one layer of each type at each token count, full and LoRA, and solve every term exactly. The setups
+    are traced in ``workers`` processes (default: two where this process may run on two CPUs): each trace is
+    single-threaded Python dispatch, so two cores halve the wall time of a full-size profile."""
     model = TracedModel.of(config, tokens)
-    full = model.terms(FULL)
-    full_checkpointed = model.terms(Setup(checkpointing=True))
-    lora_terms: tuple[ActivationTerms, ActivationTerms] | None = None
-    failure: str | None = None
-    try:
-        lora = lora_of(model.text, model.kinds, model.attention)
-        lora_terms = model.terms(Setup(lora=lora)), model.terms(Setup(lora=lora, checkpointing=True))
-    except Exception as error:  # the model's own code with peft's adapters: whatever it raises, LoRA cannot train it
-        lora, failure = DEFAULT_LORA, " ".join(f"{type(error).__name__}: {error}".split())[:MESSAGE_LENGTH]
-    return ActivationProfile(
-        dtype=DTYPE,
-        micro_batch=1,
-        attention=model.attention,
-        full=full,
-        full_checkpointed=full_checkpointed,
-        lora=lora_terms[0] if lora_terms else None,
-        lora_checkpointed=lora_terms[1] if lora_terms else None,
-        lora_rank=lora.rank,
-        lora_dropout=lora.dropout,
-        lora_failure=failure,
-    )
+    with _executor(workers if workers is not None else min(2, len(os.sched_getaffinity(0)))) as pool:
+        full = pool.submit(model.terms, FULL)
+        full_checkpointed = pool.submit(model.terms, Setup(checkpointing=True))
+        lora_terms: tuple[ActivationTerms, ActivationTerms] | None = None
+        failure: str | None = None
+        try:
+            lora = lora_of(model.text, model.kinds, model.attention)
+            adapted = [pool.submit(model.terms, Setup(lora=lora, checkpointing=on)) for on in (False, True)]
+            lora_terms = adapted[0].result(), adapted[1].result()
+        except Exception as error:  # the model's own code with peft's adapters: whatever it raises, LoRA cannot train
+            lora, failure = DEFAULT_LORA, " ".join(f"{type(error).__name__}: {error}".split())[:MESSAGE_LENGTH]
+        return ActivationProfile(
+            dtype=DTYPE,
+            micro_batch=1,
+            attention=model.attention,
+            full=full.result(),
+            full_checkpointed=full_checkpointed.result(),
+            lora=lora_terms[0] if lora_terms else None,
+            lora_checkpointed=lora_terms[1] if lora_terms else None,
+            lora_rank=lora.rank,
+            lora_dropout=lora.dropout,
+            lora_failure=failure,
+        )
+
+
+class _InProcess(Executor):
+    """An executor that runs each call at once, here (one worker, or no ``fork`` to start others with)."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except Exception as error:
+            future.set_exception(error)
+        return future
+
+
+def _executor(workers: int) -> Executor:
+    """Forked workers: they inherit the imported ``transformers`` and ``peft`` (nothing here has run a kernel, so
+    no thread pool is forked), where a spawned one would import them again."""
+    if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
+        return _InProcess()
+    return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork"))
 
 
 def activation_terms(
