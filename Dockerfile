@@ -2,6 +2,10 @@
 # Two images from one file:
 #   docker build --target operator -t memfit-operator .   slim: the core and kopf, no torch
 #   docker build --target trainer  -t memfit-trainer  .   CUDA, torch, DeepSpeed (ops prebuilt), peft, bitsandbytes
+# The build arguments' defaults build those production images. OPERATOR_BASE and TRAINER_BASE replace the
+# registry bases (any Debian or Ubuntu with Python; `make images` uses one made from Debian's packages), and
+# TRAINER_VARIANT=cpu builds a trainer for machines without GPUs (with TORCH_VERSION=2.13.0+cpu, torch's CPU
+# build): DeepSpeed's CPU accelerator and its ops prebuilt.
 # Both run as the unprivileged uid 10001 (the chart's Deployment and the operator's trainer pods run as it).
 # The install steps are the Makefile's `setup` steps (what CI runs): a virtual environment, pip, setuptools
 # and wheel upgraded, torch first at the Makefile's version, then memfit without build isolation so
@@ -10,9 +14,14 @@
 # else (their contract is memfit.contract), and pyproject.toml's package search skips the absent folder.
 
 ARG PYTHON_VERSION=3.11
+ARG OPERATOR_BASE=python:${PYTHON_VERSION}-slim
+# CUDA devel image: nvcc compiles DeepSpeed's ops at build time. Its CUDA version is the one of the
+# PyTorch wheel index of the trainer stage (cu128 = 12.8).
+ARG TRAINER_BASE=nvidia/cuda:12.8.1-cudnn-devel-ubuntu22.04
+ARG TRAINER_VARIANT=cuda
 
 # --- operator ---------------------------------------------------------------------------------------
-FROM python:${PYTHON_VERSION}-slim AS operator
+FROM ${OPERATOR_BASE} AS operator
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     VIRTUAL_ENV=/opt/memfit PATH=/opt/memfit/bin:$PATH
 WORKDIR /app
@@ -28,10 +37,14 @@ ENTRYPOINT ["memfit"]
 CMD ["operator"]
 
 # --- trainer ----------------------------------------------------------------------------------------
-# CUDA devel image: nvcc compiles DeepSpeed's ops at build time. Its CUDA version is the one of the
-# PyTorch wheel index below (cu128 = 12.8).
-FROM nvidia/cuda:12.8.1-cudnn-devel-ubuntu22.04 AS trainer
+# One stage per TRAINER_VARIANT (DeepSpeed's accelerator names), then the steps they share.
+FROM ${TRAINER_BASE} AS trainer-cuda
+FROM ${TRAINER_BASE} AS trainer-cpu
+# Without a GPU DeepSpeed falls back to the CPU with a warning; named, the build compiles the CPU ops.
+ENV DS_ACCELERATOR=cpu
+FROM trainer-${TRAINER_VARIANT} AS trainer
 ARG PYTHON_VERSION
+ARG TRAINER_VARIANT
 # The Makefile's TORCH pin; the CUDA build of the same version.
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
@@ -40,7 +53,7 @@ ENV DEBIAN_FRONTEND=noninteractive PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DIS
     TORCH_EXTENSIONS_DIR=/tmp/torch_extensions HF_HOME=/tmp/hf
 RUN apt-get update \
  && apt-get install -y --no-install-recommends \
-      python${PYTHON_VERSION} python${PYTHON_VERSION}-dev python${PYTHON_VERSION}-venv libaio-dev ninja-build git \
+      python${PYTHON_VERSION} python${PYTHON_VERSION}-dev python${PYTHON_VERSION}-venv libaio-dev ninja-build git g++ \
  && rm -rf /var/lib/apt/lists/* \
  && python${PYTHON_VERSION} -m venv /opt/memfit
 WORKDIR /app
@@ -49,13 +62,15 @@ RUN python -m pip install --upgrade pip setuptools wheel \
 COPY pyproject.toml README.md ./
 COPY memfit ./memfit
 COPY trainer ./trainer
-# DeepSpeed's ops compiled at build time (CPU Adam for offload, fused Adam, async I/O for NVMe), so a pod
-# never spends minutes compiling before its first step. No GPU is needed to build them: the architectures
-# are named (A100, A10/A40/3090, L4/L40/4090, H100/H200).
-RUN DS_BUILD_CPU_ADAM=1 DS_BUILD_FUSED_ADAM=1 DS_BUILD_AIO=1 TORCH_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0" \
+# DeepSpeed's ops compiled at build time (CPU Adam for offload, fused Adam, async I/O for NVMe; on the CPU
+# accelerator also its shared-memory collectives, an op CUDA's builders do not have), so a pod never spends
+# minutes compiling before its first step. No GPU is needed to build them: the architectures are named
+# (A100, A10/A40/3090, L4/L40/4090, H100/H200). g++ above: the CUDA devel image has it, a plain base not.
+RUN DS_BUILD_CPU_ADAM=1 DS_BUILD_FUSED_ADAM=1 DS_BUILD_AIO=1 DS_BUILD_SHM_COMM=1 TORCH_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0" \
     python -m pip install --no-build-isolation '.[trainer]' \
- && DS_ACCELERATOR=cuda python -c "from deepspeed.git_version_info import installed_ops as ops; \
-      assert all(ops[op] for op in ('cpu_adam', 'fused_adam', 'async_io')), ops" \
+ && DS_ACCELERATOR=${TRAINER_VARIANT} python -c "from deepspeed.git_version_info import installed_ops as ops; \
+      built = ('cpu_adam', 'fused_adam', 'async_io') + (('deepspeed_shm_comm',) if '${TRAINER_VARIANT}' == 'cpu' else ()); \
+      assert all(ops[op] for op in built), ops" \
  && useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin memfit
 USER 10001:10001
 # The operator's pods run `torchrun -m memfit_trainer.main` (on PATH from the virtual environment).

@@ -17,7 +17,7 @@ ENVTEST ?= ../shared/k8s/envtest-assets
 # rebuild each other's ops, and wait on each other's locks, on every alternation).
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/memfit/torch_extensions/$(shell printf %s "$(abspath $(VENV))" | sha256sum | cut -c1-12)
 
-.PHONY: setup tools test test-fast demo profiles crds dashboards lint bench
+.PHONY: setup tools test test-fast demo profiles crds dashboards lint bench images images-load
 
 setup: $(VENV)/.installed
 
@@ -74,3 +74,41 @@ bench: setup
 	PYTHONPATH=. $(PY) bench/estimate_vs_trace.py | tail -n 8
 	DS_ACCELERATOR=cpu $(PY) bench/trainer_vs_deepspeed.py
 	KUBEBUILDER_ASSETS="$${KUBEBUILDER_ASSETS:-$$($(ENVTEST))}" $(PY) bench/operator_scale.py --jobs 500
+
+# The operator image and a CPU trainer built with podman from the Dockerfile, on a machine that pulls from no
+# container registry: their base is a Debian made here from Debian's packages (images/base.sh, cached).
+PODMAN ?= podman
+IMAGE_TAG ?= dev
+BASE_IMAGE ?= localhost/memfit-base-debian:bookworm
+DEBIAN_MIRROR ?= http://deb.debian.org/debian
+OPERATOR_IMAGE ?= localhost/memfit-operator:$(IMAGE_TAG)
+TRAINER_IMAGE ?= localhost/memfit-trainer:$(IMAGE_TAG)-cpu
+# pip inside a build step uses this machine's CA bundle (its registries may be reached through a re-signing
+# proxy) and its folder of wheels (PIP_FIND_LINKS: torch's CPU build), mounted for the build only: nothing
+# of this machine lands in an image.
+CA_BUNDLE ?= /etc/ssl/certs/ca-certificates.crt
+WHEELS ?= $(PIP_FIND_LINKS)
+BUILD_PIP_CONF := $(CURDIR)/build/images-pip.conf
+# Torch's CPU build: from the wheel folder (PyPI has only the CUDA build); https://download.pytorch.org/whl/cpu
+# where that is reachable.
+TORCH_CPU_INDEX ?= https://pypi.org/simple
+PODMAN_BUILD = $(PODMAN) build --network host --build-arg OPERATOR_BASE=$(BASE_IMAGE) \
+	--build-arg TRAINER_BASE=$(BASE_IMAGE) -v $(CA_BUNDLE):/run/build/ca.crt:ro -v $(BUILD_PIP_CONF):/etc/pip.conf:ro \
+	$(if $(WHEELS),-v $(WHEELS):/run/build/wheels:ro)
+# The node's containerd (../shared/k8s/node up), in the namespace the kubelet's images live in.
+CONTAINERD_SOCK ?= /run/containerd/containerd.sock
+
+images:
+	images/base.sh $(BASE_IMAGE) $(DEBIAN_MIRROR)
+	mkdir -p build && printf '[global]\ncert = /run/build/ca.crt\n$(if $(WHEELS),find-links = /run/build/wheels\n)' > $(BUILD_PIP_CONF)
+	$(PODMAN_BUILD) --target operator -t $(OPERATOR_IMAGE) .
+	$(PODMAN_BUILD) --target trainer --build-arg TRAINER_VARIANT=cpu --build-arg TORCH_VERSION=$(patsubst torch==%,%,$(TORCH))+cpu \
+		--build-arg TORCH_INDEX=$(TORCH_CPU_INDEX) -t $(TRAINER_IMAGE) .
+	rm -f $(BUILD_PIP_CONF)
+
+images-load:
+	@ctr --address $(CONTAINERD_SOCK) version >/dev/null 2>&1 || \
+		{ echo "images-load: no containerd at $(CONTAINERD_SOCK): start the node first (../shared/k8s/node up)"; exit 1; }
+	for image in $(OPERATOR_IMAGE) $(TRAINER_IMAGE); do \
+		$(PODMAN) save --format docker-archive $$image | ctr --address $(CONTAINERD_SOCK) -n k8s.io images import - || exit 1; \
+	done

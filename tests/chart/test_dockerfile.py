@@ -1,5 +1,7 @@
-"""The Dockerfile, checked without a Docker engine: two targets, non-root, a torch-free operator, and the
-trainer installed with the same steps and pins as the Makefile's `setup` (what CI builds and tests)."""
+"""The Dockerfile, checked without a Docker engine: two targets, non-root, a torch-free operator, the
+trainer installed with the same steps and pins as the Makefile's `setup` (what CI builds and tests), and the
+build arguments `make images` builds them with here (local bases, the CPU trainer) leaving the production
+defaults as they are."""
 
 from __future__ import annotations
 
@@ -29,17 +31,19 @@ class Stage:
     cmd: str | None = None
 
 
+GLOBAL = ""
+"""The stage name under which the ARGs before the first FROM are kept (the ones a FROM line can use)."""
+
+
 def stages() -> dict[str, Stage]:
     parser = DockerfileParser(str(ROOT / "Dockerfile"))
-    found: dict[str, Stage] = {}
-    current: Stage | None = None
+    found: dict[str, Stage] = {GLOBAL: Stage(base="")}
+    current = found[GLOBAL]
     for instruction in parser.structure:
         kind, value = instruction["instruction"], instruction["value"]
         if kind == "FROM":
             base, _, name = value.partition(" AS ")
             current = found.setdefault(name.strip(), Stage(base.strip()))
-        elif current is None:
-            continue
         elif kind == "ARG" and "=" in value:
             key, default = value.split("=", 1)
             current.args[key] = default
@@ -56,6 +60,16 @@ def stages() -> dict[str, Stage]:
         elif kind == "CMD":
             current.cmd = value
     return found
+
+
+def base_image(dockerfile: dict[str, Stage], target: str, **build_args: str) -> str:
+    """The image a target is built on: its FROM line with the global ARGs (their defaults, or the build
+    arguments given) substituted, followed through the stages it names."""
+    args = dockerfile[GLOBAL].args | build_args
+    base = dockerfile[target].base
+    while "${" in base:
+        base = re.sub(r"\$\{(\w+)\}", lambda match: args[match.group(1)], base)
+    return base_image(dockerfile, base, **build_args) if base in dockerfile else base
 
 
 def makefile_variable(name: str) -> str:
@@ -80,10 +94,36 @@ def dockerfile() -> dict[str, Stage]:
     return stages()
 
 
-def test_two_targets(dockerfile: dict[str, Stage]) -> None:
-    assert set(dockerfile) == {"operator", "trainer"}
-    assert dockerfile["operator"].base.endswith("-slim")
-    assert re.fullmatch(r"nvidia/cuda:[0-9.]+-cudnn-devel-ubuntu[0-9.]+", dockerfile["trainer"].base)
+def test_two_targets_on_the_production_bases_by_default(dockerfile: dict[str, Stage]) -> None:
+    assert {"operator", "trainer"} <= set(dockerfile)
+    assert base_image(dockerfile, "operator") == "python:3.11-slim"
+    assert re.fullmatch(r"nvidia/cuda:[0-9.]+-cudnn-devel-ubuntu[0-9.]+", base_image(dockerfile, "trainer"))
+    assert "DS_ACCELERATOR" not in dockerfile["trainer-cuda"].env + dockerfile["trainer"].env  # DeepSpeed detects
+
+
+def test_build_arguments_replace_the_bases(dockerfile: dict[str, Stage]) -> None:
+    local = {"OPERATOR_BASE": "localhost/debian", "TRAINER_BASE": "localhost/debian"}
+    assert base_image(dockerfile, "operator", **local) == "localhost/debian"
+    for variant in ("cuda", "cpu"):
+        assert base_image(dockerfile, "trainer", **local, TRAINER_VARIANT=variant) == "localhost/debian"
+
+
+def test_cpu_trainer_names_deepspeeds_cpu_accelerator(dockerfile: dict[str, Stage]) -> None:
+    """The CPU variant's own stage sets the accelerator (the ops are built for it, and a pod needs no
+    detection); the shared steps check the ops of the variant built, the CPU's shared-memory op included."""
+    assert "DS_ACCELERATOR=cpu" in dockerfile["trainer-cpu"].env.split()
+    (build,) = [run for run in dockerfile["trainer"].runs if "'.[trainer]'" in run]
+    assert "DS_BUILD_SHM_COMM=1" in build and "DS_ACCELERATOR=${TRAINER_VARIANT}" in build
+    assert "'deepspeed_shm_comm'" in build and "g++" in " ".join(dockerfile["trainer"].runs)
+
+
+def test_make_images_builds_the_operator_and_the_cpu_trainer_on_the_local_base() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = makefile.split("\nimages:\n", 1)[1].split("\n\n", 1)[0]
+    assert "images/base.sh $(BASE_IMAGE)" in recipe and "--target operator" in recipe
+    assert "--build-arg TRAINER_VARIANT=cpu" in recipe and "TORCH_VERSION=$(patsubst torch==%,%,$(TORCH))+cpu" in recipe
+    for base in ("OPERATOR_BASE", "TRAINER_BASE"):
+        assert f"--build-arg {base}=$(BASE_IMAGE)" in makefile
 
 
 @pytest.mark.parametrize("target", ["operator", "trainer"])
@@ -138,7 +178,7 @@ def test_trainer_prebuilds_deepspeed_ops_for_its_cuda(dockerfile: dict[str, Stag
     for op in ("DS_BUILD_CPU_ADAM=1", "DS_BUILD_FUSED_ADAM=1", "DS_BUILD_AIO=1", "TORCH_CUDA_ARCH_LIST="):
         assert op in build
     assert "installed_ops" in build  # the build fails if an op was not compiled
-    cuda = re.search(r"nvidia/cuda:(\d+)\.(\d+)", stage.base)
+    cuda = re.search(r"nvidia/cuda:(\d+)\.(\d+)", base_image(dockerfile, "trainer"))
     index = re.search(r"/whl/cu(\d+)$", stage.args["TORCH_INDEX"])
     assert cuda and index and index.group(1) == cuda.group(1) + cuda.group(2), "torch's CUDA differs from nvcc's"
     assert any("libaio-dev" in run for run in stage.runs)  # async I/O (NVMe offload) links against it
