@@ -313,6 +313,13 @@ def refusal(capsys: pytest.CaptureFixture[str]) -> str:
     return line.removeprefix("memfit run: error: ")
 
 
+def refused_before_torchrun(job: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> str:
+    """``memfit run JOB --local`` on 2 ranks refused by the launch check (torchrun never started): its line."""
+    monkeypatch.setattr(run_command, "_torchrun", no_torchrun)
+    assert main(["run", str(job), "--local", "--nproc", "2"]) == 2
+    return refusal(capsys)
+
+
 @pytest.mark.slow
 def test_a_tiny_job_passes_the_launch_check(tiny_job: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", str(tiny_job), "--local", "--nproc", "2", "--dry-run"]) == 0
@@ -326,9 +333,7 @@ def test_a_dataset_too_small_for_a_micro_batch_per_rank_is_refused_before_torchr
 ) -> None:
     data = tiny_job.parent / "data" / "train.jsonl"
     data.write_text("".join(data.read_text().splitlines(keepends=True)[:3]))
-    monkeypatch.setattr(run_command, "_torchrun", no_torchrun)
-    assert main(["run", str(tiny_job), "--local", "--nproc", "2"]) == 2
-    line = refusal(capsys)
+    line = refused_before_torchrun(tiny_job, monkeypatch, capsys)
     assert line.startswith(f"dataset {str(data)!r} is too small: one micro-batch on each of 2 rank(s)"), line
 
 
@@ -341,9 +346,9 @@ def test_a_validation_split_too_small_for_a_micro_batch_per_rank_is_refused_befo
     tiny_job.write_text(
         text.replace("    textField: text\n", "    textField: text\n    validation: {fraction: 0.005}\n")
     )
-    monkeypatch.setattr(run_command, "_torchrun", no_torchrun)
-    assert main(["run", str(tiny_job), "--local", "--nproc", "2"]) == 2
-    line = refusal(capsys)  # 2 of the 400 records held out: 3 blocks of 128 tokens, not 2 x 4
+    line = refused_before_torchrun(
+        tiny_job, monkeypatch, capsys
+    )  # 2 of the 400 records held out: 3 blocks of 128 tokens, not 2 x 4
     data = tiny_job.parent / "data" / "train.jsonl"
     assert line.startswith(f"the validation data (validation.fraction 0.005 of {str(data)!r}): "), line
     assert "is too small: one micro-batch on each of 2 rank(s)" in line
@@ -354,9 +359,7 @@ def test_a_model_directory_without_a_tokenizer_is_refused_before_torchrun(
     claimed_model_job: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     directory = model_dir(claimed_model_job, TINY_SHAPE)  # config.json of the planned shape, no tokenizer
-    monkeypatch.setattr(run_command, "_torchrun", no_torchrun)
-    assert main(["run", str(claimed_model_job), "--local", "--nproc", "2"]) == 2
-    line = refusal(capsys)
+    line = refused_before_torchrun(claimed_model_job, monkeypatch, capsys)
     assert line.startswith(f"cannot load tokenizer: the directory {str(directory.resolve())!r} has no loadable"), line
 
 
