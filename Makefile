@@ -78,6 +78,7 @@ bench: setup
 # The operator image and a CPU trainer built with podman from the Dockerfile, on a machine that pulls from no
 # container registry: their base is a Debian made here from Debian's packages (images/base.sh, cached).
 PODMAN ?= podman
+images images-load: export CONTAINERS_CONF ?= $(CURDIR)/images/containers.conf
 IMAGE_TAG ?= dev
 BASE_IMAGE ?= localhost/memfit-base-debian:bookworm
 DEBIAN_MIRROR ?= http://deb.debian.org/debian
