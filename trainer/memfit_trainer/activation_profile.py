@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from fractions import Fraction
-from typing import Any
+from typing import Any, TypeVar
 
 from memfit.contract.sections import LoraConfig
 from memfit.profile import ActivationProfile, ActivationTerm, ActivationTerms, LayerActivations, OutsideTerms
@@ -470,17 +470,18 @@ def activation_terms(
     loss and, for the terms outside the layers (the layers keep the same), the chunked loss, traced at
     ``outside_counts`` (default ``counts``): None where a step with it fails."""
 
-    def every_term(traces: list[Trace]) -> list[ActivationTerm]:
-        layers = _layers(traces, kinds, attention, window)
-        return _outside_list(_outside(traces)) + [
-            term for layer in layers for term in (layer.saved, layer.backward_peak)
-        ]
+    def solved(traces: list[Trace]) -> tuple[OutsideTerms, tuple[LayerActivations, ...]]:
+        return _outside(traces), _layers(traces, kinds, attention, window)
 
-    traces = _exact_traces(text, kinds, attention, counts, setup, every_term)
+    def every_term(terms: tuple[OutsideTerms, tuple[LayerActivations, ...]]) -> list[ActivationTerm]:
+        outside, layers = terms
+        return _outside_list(outside) + [term for layer in layers for term in (layer.saved, layer.backward_peak)]
+
+    outside, layers = _exactly_solved(text, kinds, attention, counts, setup, solved, every_term)
     return ActivationTerms(
-        outside=_outside(traces),
+        outside=outside,
         chunked_loss=_chunked_loss_terms(text, kinds, attention, outside_counts or counts, setup),
-        layers=_layers(traces, kinds, attention, window),
+        layers=layers,
     )
 
 
@@ -490,32 +491,35 @@ def _chunked_loss_terms(
     """The terms outside the layers with the trainer's chunked loss; None where a step with it fails."""
     chunked = replace(setup, chunked_loss=True)
     try:
-        traces = _exact_traces(text, kinds, attention, counts, chunked, lambda found: _outside_list(_outside(found)))
+        return _exactly_solved(text, kinds, attention, counts, chunked, _outside, _outside_list)
     except Exception:  # the model's own code under the chunked loss: whatever it raises, the planner leaves it off
         return None
-    return _outside(traces)
 
 
 LONGER = (2, 3, 4)
 """Multiples of the longest count traced again where a term has no exact form over the first counts."""
+Solved = TypeVar("Solved")
 
 
-def _exact_traces(
+def _exactly_solved(
     text: Any,
     kinds: Sequence[str],
     attention: str,
     counts: Sequence[int],
     setup: Setup,
-    terms: Callable[[list[Trace]], list[ActivationTerm]],
-) -> list[Trace]:
-    """A trace per token count; where one of the ``terms`` solved from them changes form at the longest counts
-    (gpt-oss's experts at 2048 tokens), three longer counts too, so that the form of the long sequences plans
-    are made for is solved and checked (``valid_from``)."""
+    solve_all: Callable[[list[Trace]], Solved],
+    terms: Callable[[Solved], list[ActivationTerm]],
+) -> Solved:
+    """The terms solved from a trace per token count; where one of them changes form at the longest counts
+    (gpt-oss's experts at 2048 tokens), solved again with three longer counts, so that the form of the long
+    sequences plans are made for is solved and checked (``valid_from``)."""
     traces = [trace(text, kinds, count, attention, setup) for count in counts]
-    if not all(term.exact for term in terms(traces)):
-        longest = max(counts)
-        traces += [trace(text, kinds, factor * longest, attention, setup) for factor in LONGER]
-    return traces
+    solved = solve_all(traces)
+    if all(term.exact for term in terms(solved)):
+        return solved
+    longest = max(counts)
+    traces += [trace(text, kinds, factor * longest, attention, setup) for factor in LONGER]
+    return solve_all(traces)
 
 
 def _outside(traces: list[Trace]) -> OutsideTerms:
