@@ -116,10 +116,12 @@ class ProfileError(ValueError):
 def decoder_layers_prefix(model: Any, num_layers: int) -> str:
     """``model.layers``, ``model.language_model.layers``...: where the text decoder keeps its layers.
 
-    The decoder's ``layers`` where ``get_decoder()`` finds it, else the one ``layers`` list of the config's
-    length outside any vision or audio tower.
+    The decoder's ``layers`` where :func:`~memfit_trainer.chunked_loss.text_decoder` finds it, else the one
+    ``layers`` list of the config's length outside any vision or audio tower.
     """
-    decoder_layers = getattr(model.get_decoder(), "layers", None)
+    from memfit_trainer.chunked_loss import text_decoder
+
+    decoder_layers = getattr(text_decoder(model), "layers", None)
     candidates = [
         name
         for name, module in model.named_modules()
