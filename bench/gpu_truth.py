@@ -954,9 +954,11 @@ def run_cases(
     keep: Path | None = None,
     machine: LocalMachine | None = None,
     on_result: Callable[[CaseResult], None] | None = None,
+    budget: float | None = None,
 ) -> list[CaseResult]:
     """Plan, run and measure ``cases`` one after the other on this machine. ``device="cpu"``: the CPU smoke
-    path (a machine without GPUs; memory is the trainer's host RSS, labelled as such)."""
+    path (a machine without GPUs; memory is the trainer's host RSS, labelled as such). ``budget``: seconds
+    after which no further case starts (a lent GPU's minutes are counted); those left say ``not run``."""
     if not 1 <= warmup < steps <= RATE_WINDOW_STEPS:
         raise ValueError(f"needs 1 <= --warmup ({warmup}) < --steps ({steps}) <= {RATE_WINDOW_STEPS}")
     machine = machine or inspect_machine()
@@ -965,8 +967,12 @@ def run_cases(
     if device == "cpu" and machine.has_gpus:
         raise ValueError("device='cpu' is for machines without GPUs (memfit run --local would use the GPUs)")
     results = []
+    stop_starting = None if budget is None else time.monotonic() + budget
     with _root(keep) as root:
         for case in cases:
+            if stop_starting is not None and time.monotonic() > stop_starting:
+                results.append(CaseResult(case, "not run", f"the --budget of {budget:g} s was spent"))
+                continue
             result = run_case(case, machine=machine, device=device, ranks=ranks, steps=steps, warmup=warmup,
                               timeout=timeout, root=root, run=run)  # fmt: skip
             if keep is None and (root / job_name(case)).exists():
@@ -1066,6 +1072,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, help="first steps left out of tokens/s")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_SECONDS, help="seconds per case")
+    parser.add_argument("--budget", type=float, metavar="SECONDS", help="start no case after this many seconds")
     parser.add_argument("--keep", type=Path, metavar="DIR", help="keep each case's job, data, log and work dir here")
     return parser
 
@@ -1103,20 +1110,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     # its processes (in sessions of their own) too, rather than left training on the GPU.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
+    settings = {"gpus": args.gpus, "steps": args.steps, "warmup": args.warmup, "planOnly": args.plan_only}
+    done: list[CaseResult] = []
+
     def progress(result: CaseResult) -> None:
         print(f"gpu_truth: {result.case.name}: {status_text(result)}", file=sys.stderr, flush=True)
+        done.append(result)
+        if args.json is not None:  # after every case: a run stopped from outside keeps what it measured
+            args.json.write_text(json.dumps(report_json(info, settings, done), indent=2) + "\n")
 
     try:
         results = run_cases(
             cases, device="cuda", ranks=args.gpus, steps=args.steps, warmup=args.warmup, timeout=args.timeout,
-            run=not args.plan_only, keep=args.keep, on_result=progress,
+            run=not args.plan_only, keep=args.keep, on_result=progress, budget=args.budget,
         )  # fmt: skip
     except ValueError as error:
         print(f"gpu_truth: {error}", file=sys.stderr)
         return 2
     print(format_table(results, "cuda"))
     if args.json is not None:
-        settings = {"gpus": args.gpus, "steps": args.steps, "warmup": args.warmup, "planOnly": args.plan_only}
         args.json.write_text(json.dumps(report_json(info, settings, results), indent=2) + "\n")
     return 0
 

@@ -186,6 +186,13 @@ def test_plan_only_runs_nothing(tmp_path: Path) -> None:
     assert all(not any(run.iterdir()) for run in tmp_path.iterdir())  # no job was even written
 
 
+def test_no_case_starts_once_the_budget_is_spent(tmp_path: Path) -> None:
+    cases = select_cases(["qwen2.5-0.5b"])
+    results = run_cases(cases, run=False, machine=gpu_machine(), keep=tmp_path, budget=-1.0)
+    assert [r.case for r in results] == cases
+    assert all(r.status == "not run" and "--budget" in (r.reason or "") and r.planned is None for r in results)
+
+
 def test_cpu_device_refuses_a_gpu_machine_and_cuda_a_cpu_one() -> None:
     with pytest.raises(ValueError, match="without GPUs"):
         run_cases(MATRIX[:1], device="cpu", run=False, machine=gpu_machine())

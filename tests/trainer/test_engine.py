@@ -12,7 +12,7 @@ from memfit.api.vocabulary import Engine
 from memfit.contract.engines import DeepSpeedEngineSection
 from memfit.contract.reader import ConfigError
 from memfit_trainer.console import ConsoleProgress, format_duration
-from memfit_trainer.deepspeed_engine import engine_config
+from memfit_trainer.deepspeed_engine import deepspeed_arch_list, engine_config
 from memfit_trainer.engine import ENGINES, PROCESS_GROUPS
 from memfit_trainer.optimization import total_optimizer_steps, warmup_cosine
 from tests.trainer.runs import make_config
@@ -70,3 +70,13 @@ def test_every_engine_of_the_vocabulary_has_a_builder() -> None:
 
 def test_every_engine_of_the_vocabulary_starts_its_process_group() -> None:
     assert set(PROCESS_GROUPS) == set(Engine)
+
+
+@pytest.mark.parametrize(
+    ("listed", "readable"),
+    [("9.0a", "9.0"), ("8.0;9.0a;10.0f+PTX", "8.0;9.0;10.0+PTX"), ("8.6 9.0+PTX", "8.6;9.0+PTX"), ("9.0;9.0a", "9.0")],
+)
+def test_cuda_arch_suffixes_are_dropped_for_deepspeeds_op_builder(listed: str, readable: str) -> None:
+    assert deepspeed_arch_list(listed) == readable
+    # what DeepSpeed's compute_capability_args does with each entry (it raised ValueError on "9.0a")
+    assert all(int(part.split("+")[0]) >= 0 for cc in readable.split(";") for part in cc.split("."))

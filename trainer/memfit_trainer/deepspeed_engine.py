@@ -16,6 +16,8 @@ parameters themselves (and clips their gradients itself).
 from __future__ import annotations
 
 import copy
+import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -121,12 +123,22 @@ class DeepSpeed:
         return state
 
 
+def deepspeed_arch_list(value: str) -> str:
+    """``TORCH_CUDA_ARCH_LIST`` as DeepSpeed's JIT op builder can read it. It parses each entry's minor version as
+    a number, so the architecture-specific suffixes torch accepts (``9.0a``, ``10.0f``) are dropped (``+PTX``
+    kept): an H200 machine whose list held ``9.0a`` failed to build FusedAdam, before the first step."""
+    entries = [re.sub(r"^(\d+\.\d+)[a-z]+", r"\1", entry.strip()) for entry in value.replace(" ", ";").split(";")]
+    return ";".join(dict.fromkeys(entry for entry in entries if entry))
+
+
 def build_deepspeed_engine(
     config: TrainerConfig, model: torch.nn.Module, total_steps: int, *, converted: bool = False
 ) -> DeepSpeed:
     """The engine for ``model``; ``converted``: it loads a universal checkpoint (:func:`universal_loading`)."""
     import deepspeed
 
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):  # read by the op builds deepspeed.initialize may start
+        os.environ["TORCH_CUDA_ARCH_LIST"] = deepspeed_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
     if converted:
         config = universal_loading(config)
     params = [p for p in model.parameters() if p.requires_grad]
