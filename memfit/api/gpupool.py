@@ -12,6 +12,17 @@ from memfit.catalog.gpus import GPUProduct, gpu_product, unknown_product
 from memfit.units import GIB
 
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+CPU_PRODUCT: Final = "cpu"
+"""``gpuProduct: cpu``: a pool of CPU-only nodes, for trying a pipeline on cheap nodes before GPU hours. Each
+"GPU" is one trainer process (a gloo rank) whose device memory is the node's RAM, so the ranks' memory and the
+node's host memory are planned against one budget (``cpuMemoryGiBPerNode``); its pods request CPU and memory
+and no GPU."""
+CPU_RANK_TFLOPS: Final = 0.1
+"""Compute of one CPU rank when the pool gives no peakTFLOPS: an order-of-magnitude estimate of a few cores'
+bf16 matrix rate, not a measurement of any node. It ranks a CPU pool's plans against each other; give the
+pool's own figure for a throughput estimate worth reading."""
+CPU_RANK_GBPS: Final = 5.0
+"""GB/s between two CPU ranks of a node (gloo over loopback) when the pool gives none: an estimate."""
 
 # Bounds of a GPUPool (see memfit.api.base). The minima keep the planner's arithmetic finite and free of
 # division by zero (a pool with 1e-9 GiB or 1e308 TFLOPS is refused, not planned); the maxima are far beyond
@@ -55,11 +66,12 @@ class GPUPoolSpec(ApiModel):
     """One pool of identical GPU nodes that FineTuneJobs may be planned onto."""
 
     gpu_product: Annotated[str, Strict(), Field(min_length=1, max_length=63)]
-    """GPU model as in the `nvidia.com/gpu.product` node label, e.g. NVIDIA-A100-SXM4-80GB."""
+    """GPU model as in the `nvidia.com/gpu.product` node label, e.g. NVIDIA-A100-SXM4-80GB; `cpu`: CPU-only nodes
+    (each "GPU" a trainer process with a share of the node's RAM)."""
     gpu_memory_gib: Annotated[float, Strict(), Field(ge=MIN_MEMORY_GIB, le=MAX_GPU_MEMORY_GIB)] | None = None
-    """Memory of one GPU in GiB (default: from the product table)."""
+    """Memory of one GPU in GiB (default: from the product table; `cpu`: cpuMemoryGiBPerNode / gpusPerNode)."""
     gpus_per_node: StrictInt = Field(ge=1, le=MAX_GPUS_PER_NODE)
-    """GPUs on each node (1-64)."""
+    """GPUs on each node (1-64); `cpu`: trainer processes per node."""
     nodes: StrictInt = Field(ge=1, le=MAX_NODES)
     """Nodes in the pool that jobs may use (1-10000)."""
     cpu_memory_gib_per_node: StrictFloat = Field(ge=MIN_MEMORY_GIB, le=MAX_NODE_MEMORY_GIB)
@@ -77,8 +89,21 @@ class GPUPoolSpec(ApiModel):
     tolerations: list[Toleration] = Field(default_factory=list)
     """Tolerations for the pool's taints."""
 
+    @property
+    def cpu_only(self) -> bool:
+        return self.gpu_product.lower() == CPU_PRODUCT
+
     @model_validator(mode="after")
     def _known_or_complete(self) -> GPUPoolSpec:
+        if self.cpu_only:
+            ranks_gib = (self.gpu_memory_gib or 0.0) * self.gpus_per_node
+            if ranks_gib > self.cpu_memory_gib_per_node:
+                raise ValueError(
+                    f"gpuProduct cpu: gpusPerNode x gpuMemoryGiB ({self.gpus_per_node} x {self.gpu_memory_gib:g}) is "
+                    f"more than cpuMemoryGiBPerNode ({self.cpu_memory_gib_per_node:g}): the ranks' memory is the "
+                    "node's RAM"
+                )
+            return self
         try:
             gpu_product(self.gpu_product)
         except KeyError:
@@ -121,6 +146,8 @@ class PoolCapacity:
     intra_node_bytes_per_second: float
     inter_node_bytes_per_second: float
     pcie_bytes_per_second: float
+    cpu_only: bool = False
+    """The ranks' "GPU" memory is the node's RAM (``CPU_PRODUCT``): both count against cpu_memory_bytes_per_node."""
 
 
 GB = 1e9
@@ -129,6 +156,8 @@ GB = 1e9
 def pool_capacity(pool: GPUPool) -> PoolCapacity:
     """Resolve a pool's defaults from the GPU product table."""
     spec = pool.spec
+    if spec.cpu_only:
+        return _cpu_capacity(pool)
     try:
         known: GPUProduct | None = gpu_product(spec.gpu_product)
     except KeyError:
@@ -152,4 +181,29 @@ def pool_capacity(pool: GPUPool) -> PoolCapacity:
         intra_node_bytes_per_second=intra * GB,
         inter_node_bytes_per_second=spec.interconnect.inter_node_gbps * GB,
         pcie_bytes_per_second=(known.pcie_gbps if known else 25.0) * GB,
+    )
+
+
+def _cpu_capacity(pool: GPUPool) -> PoolCapacity:
+    """A CPU pool: each rank's memory a share of the node's RAM, the compute and bandwidths estimates unless given."""
+    spec = pool.spec
+    memory_gib = spec.gpu_memory_gib or spec.cpu_memory_gib_per_node / spec.gpus_per_node
+    tflops = spec.peak_tflops.bf16 or spec.peak_tflops.fp16 or CPU_RANK_TFLOPS
+    intra = spec.interconnect.intra_node_gbps or CPU_RANK_GBPS
+    return PoolCapacity(
+        name=pool.metadata.name,
+        product=CPU_PRODUCT,
+        gpu_memory_bytes=int(memory_gib * GIB),
+        gpus_per_node=spec.gpus_per_node,
+        nodes=spec.nodes,
+        cpu_memory_bytes_per_node=int(spec.cpu_memory_gib_per_node * GIB),
+        nvme_bytes_per_node=int(spec.nvme_gib_per_node * GIB),
+        nvme_bytes_per_second=spec.nvme_gbps_per_node * GB,
+        bf16=True,
+        peak_flops_bf16=tflops * 1e12,
+        peak_flops_fp16=(spec.peak_tflops.fp16 or tflops) * 1e12,
+        intra_node_bytes_per_second=intra * GB,
+        inter_node_bytes_per_second=spec.interconnect.inter_node_gbps * GB,
+        pcie_bytes_per_second=intra * GB,
+        cpu_only=True,
     )

@@ -1,8 +1,9 @@
 """This machine as a GPUPool, so ``memfit run --local`` plans with the same planner as the cluster.
 
 With NVIDIA GPUs (``nvidia-smi`` answers) the pool is those GPUs, as GPU Feature Discovery would label
-them. Without, every rank is a CPU process: each gets an equal share of the RAM as its "device memory",
-and the compute figure is a rough estimate used only to rank local candidates against each other.
+them. Without, the pool is a CPU pool (``gpuProduct: cpu``, as on a cluster's CPU-only nodes): every rank is a
+CPU process with an equal share of the RAM as its "device memory", and the compute figure is a rough
+estimate used only to rank local candidates against each other.
 """
 
 from __future__ import annotations
@@ -13,13 +14,10 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from memfit.api.gpupool import GPUPool
+from memfit.api.gpupool import CPU_PRODUCT, GPUPool
 from memfit.catalog.gpus import gpu_product
 from memfit.units import GIB
 
-CPU_PRODUCT = "local-cpu"
-CPU_TFLOPS_ESTIMATE = 0.1
-"""An estimate, not a measurement: a few cores' bf16 matmul rate. It only ranks local candidates."""
 HOST_SHARE_FOR_RANKS = 0.8
 """Share of the RAM given to the ranks' device memory on a CPU run (the rest: the OS, data loading)."""
 
@@ -74,10 +72,6 @@ def local_pool(machine: LocalMachine, ranks: int) -> GPUPool:
         except KeyError:  # not in the table: an order-of-magnitude estimate, to rank local candidates
             spec["peakTFLOPS"] = {"fp16": 100.0}
     else:
-        spec = {
-            "gpuProduct": CPU_PRODUCT,
-            "gpuMemoryGiB": HOST_SHARE_FOR_RANKS * host_gib / ranks,
-            "peakTFLOPS": {"bf16": CPU_TFLOPS_ESTIMATE, "fp16": CPU_TFLOPS_ESTIMATE},
-        }
+        spec = {"gpuProduct": CPU_PRODUCT, "gpuMemoryGiB": HOST_SHARE_FOR_RANKS * host_gib / ranks}
     spec.update({"gpusPerNode": ranks, "nodes": 1, "cpuMemoryGiBPerNode": host_gib})
     return GPUPool.model_validate({"metadata": {"name": "local"}, "spec": spec})

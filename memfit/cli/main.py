@@ -76,6 +76,7 @@ def _operator(args: argparse.Namespace) -> int:
     flags: dict[str, Any] = {
         "namespace": args.namespace,
         "trainer_image": args.trainer_image,
+        "trainer_cpu_image": args.trainer_cpu_image,
         "standalone": args.standalone or None,
         "peering": args.peering,
         "metrics_port": args.metrics_port,
@@ -173,6 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     operator.add_argument("--namespace", "-n", help="serve only this namespace (default: all namespaces)")
     operator.add_argument("--trainer-image", help="image of the trainer pods (env MEMFIT_TRAINER_IMAGE)")
+    operator.add_argument(
+        "--trainer-cpu-image",
+        help="image of the trainer pods on CPU pools, gpuProduct cpu (env MEMFIT_TRAINER_CPU_IMAGE; "
+        "default: --trainer-image)",
+    )
     operator.add_argument("--standalone", action="store_true", help="no peering: a single replica")
     operator.add_argument("--peering", help="(Cluster)KopfPeering the replicas coordinate through (default memfit)")
     operator.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 8080; 0 turns it off)")

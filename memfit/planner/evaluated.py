@@ -27,20 +27,26 @@ class Shortfall(StrEnum):
         return self in (Shortfall.CPU, Shortfall.NVME)
 
 
+def node_ram(gpu: int, cpu: int, capacity: PoolCapacity) -> int:
+    """Bytes of a node's RAM a plan uses: its host memory, and on a CPU pool its ranks' memory too (every rank
+    the pool's nodes hold: a layout with fewer per node is counted as if full)."""
+    return cpu + (gpu * capacity.gpus_per_node if capacity.cpu_only else 0)
+
+
 def shortfall_ratio(gpu: int, cpu: int, nvme: int, limit: int, capacity: PoolCapacity) -> float:
     """How far over its limits (GPU, CPU, NVMe) a plan is: the worst ratio; at most 1 when it fits."""
     nvme_capacity = capacity.nvme_bytes_per_node
     nvme_ratio = nvme / nvme_capacity if nvme_capacity else (float("inf") if nvme else 0.0)
-    return max(gpu / limit, cpu / capacity.cpu_memory_bytes_per_node, nvme_ratio)
+    return max(gpu / limit, node_ram(gpu, cpu, capacity) / capacity.cpu_memory_bytes_per_node, nvme_ratio)
 
 
 def shortfall_of(memory: PlanMemory, limit: int, capacity: PoolCapacity) -> Shortfall:
     """Which limit a plan that does not fit is furthest over (the GPU where two tie)."""
-    gpu, cpu = memory.per_gpu.total, memory.per_node.cpu
-    worst = shortfall_ratio(gpu, cpu, memory.per_node.nvme, limit, capacity)
+    gpu, ram = memory.per_gpu.total, node_ram(memory.per_gpu.total, memory.per_node.cpu, capacity)
+    worst = shortfall_ratio(gpu, memory.per_node.cpu, memory.per_node.nvme, limit, capacity)
     if worst == gpu / limit:
         return Shortfall.GPU
-    return Shortfall.CPU if worst == cpu / capacity.cpu_memory_bytes_per_node else Shortfall.NVME
+    return Shortfall.CPU if worst == ram / capacity.cpu_memory_bytes_per_node else Shortfall.NVME
 
 
 def describe_shortfall(shortfall: Shortfall, memory: PlanMemory, limit: int, capacity: PoolCapacity) -> str:
@@ -54,7 +60,9 @@ def describe_shortfall(shortfall: Shortfall, memory: PlanMemory, limit: int, cap
         )
     if shortfall == Shortfall.CPU:
         has = capacity.cpu_memory_bytes_per_node / GIB
-        return f"CPU memory: needs {memory.per_node.cpu / GIB:.1f} GiB per node, the pool has {has:.1f} GiB"
+        needs = node_ram(memory.per_gpu.total, memory.per_node.cpu, capacity) / GIB
+        ranks = " (its ranks' memory included)" if capacity.cpu_only else ""
+        return f"CPU memory: needs {needs:.1f} GiB per node{ranks}, the pool has {has:.1f} GiB"
     has = capacity.nvme_bytes_per_node / GIB
     return f"NVMe: needs {memory.per_node.nvme / GIB:.1f} GiB per node, the pool has {has:.1f} GiB"
 

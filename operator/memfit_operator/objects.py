@@ -272,6 +272,9 @@ class TrainerOptions:
     metrics ports, nothing else reaches the pods."""
     metrics_peers: tuple[Mapping[str, Any], ...] = ()
     """NetworkPolicy peers allowed to the metrics ports (the operator, Prometheus)."""
+    cpu_image: str | None = None
+    """Image of the trainer pods on CPU pools (``gpuProduct: cpu``: the trainer built for DeepSpeed's CPU
+    accelerator); None: the one image of every pod."""
 
 
 def quantity(size: int) -> str:
@@ -386,14 +389,20 @@ def _python_environment(job: FineTuneJob, threads: str) -> list[dict[str, Any]]:
     ]
 
 
-def _environment(job: FineTuneJob, plan: PlanCandidate) -> list[dict[str, Any]]:
-    env = _python_environment(job, str(cpus_per_rank(plan) * CPU_LIMIT_FACTOR)) + [
-        # Every other cache of the trainer's libraries into the writable cache volume, too.
-        {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
-        {"name": "TORCHINDUCTOR_CACHE_DIR", "value": f"{CACHE_DIR}/torchinductor"},
-        {"name": "CUDA_CACHE_PATH", "value": f"{CACHE_DIR}/nv"},
-        {"name": "TORCH_EXTENSIONS_DIR", "value": TORCH_EXTENSIONS_DIR},
-    ]
+def _environment(job: FineTuneJob, plan: PlanCandidate, cpu_only: bool) -> list[dict[str, Any]]:
+    # On a CPU pool DeepSpeed is told its accelerator (it would only warn and guess without a GPU).
+    accelerator = [{"name": "DS_ACCELERATOR", "value": "cpu"}] if cpu_only else []
+    env = (
+        _python_environment(job, str(cpus_per_rank(plan) * CPU_LIMIT_FACTOR))
+        + accelerator
+        + [
+            # Every other cache of the trainer's libraries into the writable cache volume, too.
+            {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
+            {"name": "TORCHINDUCTOR_CACHE_DIR", "value": f"{CACHE_DIR}/torchinductor"},
+            {"name": "CUDA_CACHE_PATH", "value": f"{CACHE_DIR}/nv"},
+            {"name": "TORCH_EXTENSIONS_DIR", "value": TORCH_EXTENSIONS_DIR},
+        ]
+    )
     source = job.spec.model.source
     if source is not None and source.token_secret_ref is not None:
         env.append(_hub_token(source.token_secret_ref))
@@ -404,17 +413,19 @@ def _environment(job: FineTuneJob, plan: PlanCandidate) -> list[dict[str, Any]]:
 
 def resources(plan: PlanCandidate, pool: GPUPool) -> dict[str, dict[str, str]]:
     """GPUs, CPU and memory of one node rank. Memory: the plan's host memory of the node (offloaded states,
-    model loading, each rank's runtime) as the request; the limit a quarter above it, never above the
-    node's declared memory. CPU: cores per rank by the plan's offload, the limit twice that."""
+    model loading, each rank's runtime; on a CPU pool also the ranks' memory, and no GPU) as the request; the
+    limit a quarter above it, never above the node's declared memory. CPU: cores per rank by the plan's offload, the limit twice that."""
     strategy = plan.strategy
-    gpus = str(strategy.gpus_per_node)
+    capacity = pool_capacity(pool)
     memory = plan.memory.per_node.cpu
-    node_memory = pool_capacity(pool).cpu_memory_bytes_per_node
-    memory_limit = max(memory, min(math.ceil(memory * HOST_MEMORY_LIMIT_MARGIN), node_memory))
+    if capacity.cpu_only:  # the ranks' own memory is RAM too
+        memory += plan.memory.per_gpu.total * strategy.gpus_per_node
+    memory_limit = max(memory, min(math.ceil(memory * HOST_MEMORY_LIMIT_MARGIN), capacity.cpu_memory_bytes_per_node))
     cpus = cpus_per_rank(plan) * strategy.gpus_per_node
+    gpus = {} if capacity.cpu_only else {GPU_RESOURCE: str(strategy.gpus_per_node)}
     return {
-        "requests": {GPU_RESOURCE: gpus, "cpu": str(cpus), "memory": quantity(memory)},
-        "limits": {GPU_RESOURCE: gpus, "cpu": str(cpus * CPU_LIMIT_FACTOR), "memory": quantity(memory_limit)},
+        "requests": {**gpus, "cpu": str(cpus), "memory": quantity(memory)},
+        "limits": {**gpus, "cpu": str(cpus * CPU_LIMIT_FACTOR), "memory": quantity(memory_limit)},
     }
 
 
@@ -439,7 +450,9 @@ def trainer_pod(
     """One node rank of the gang: torchrun starting one trainer process per GPU of the node."""
     strategy = plan.strategy
     capacity = pool_capacity(pool)
-    volumes, mounts = _volumes(job, plan, pool, attempt, options or TrainerOptions())
+    options = options or TrainerOptions()
+    volumes, mounts = _volumes(job, plan, pool, attempt, options)
+    product = {} if capacity.cpu_only else {GPU_PRODUCT_LABEL: capacity.product}
     command = [
         "torchrun",
         f"--nnodes={strategy.nodes}",
@@ -463,16 +476,16 @@ def trainer_pod(
         {
             "hostname": hostname(job, node_rank),
             "subdomain": service_name(job),
-            "nodeSelector": {**pool.spec.node_selector, GPU_PRODUCT_LABEL: capacity.product},
+            "nodeSelector": {**pool.spec.node_selector, **product},
             "tolerations": [t.to_api() for t in pool.spec.tolerations],
             "terminationGracePeriodSeconds": 60,
             "volumes": volumes,
             "containers": [
                 {
                     "name": "trainer",
-                    "image": image,
+                    "image": options.cpu_image if capacity.cpu_only and options.cpu_image else image,
                     "command": command,
-                    "env": _environment(job, plan),
+                    "env": _environment(job, plan, capacity.cpu_only),
                     "ports": [
                         {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT},
                         *metrics_ports(strategy.gpus_per_node),

@@ -20,6 +20,8 @@ class OperatorSettings:
     """Serve this namespace only; None: the whole cluster."""
     trainer_image: str = DEFAULT_TRAINER_IMAGE
     """Image of the trainer pods."""
+    trainer_cpu_image: str = ""
+    """Image of the trainer pods on CPU pools (``gpuProduct: cpu``); empty: ``trainer_image``."""
     standalone: bool = False
     """No peering (a single replica, or a test)."""
     peering: str = "memfit"
@@ -46,6 +48,7 @@ class OperatorSettings:
             cache_bytes=int(self.trainer_cache_gib * GIB),
             network_policy=self.network_policy,
             metrics_peers=self.network_policy_metrics_from,
+            cpu_image=self.trainer_cpu_image or None,
         )
 
     @classmethod
@@ -70,6 +73,7 @@ class OperatorSettings:
         return cls(
             namespace=env.get("MEMFIT_NAMESPACE") or defaults.namespace,
             trainer_image=env.get("MEMFIT_TRAINER_IMAGE", defaults.trainer_image),
+            trainer_cpu_image=env.get("MEMFIT_TRAINER_CPU_IMAGE", defaults.trainer_cpu_image),
             standalone=flag("MEMFIT_STANDALONE", defaults.standalone),
             peering=env.get("MEMFIT_PEERING", defaults.peering),
             peering_notice_seconds=number("MEMFIT_PEERING_NOTICE_SECONDS", defaults.peering_notice_seconds),

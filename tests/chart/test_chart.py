@@ -240,6 +240,7 @@ def test_deployment_runs_the_operator_command() -> None:
         "--metrics-port=8080",
         "--health-port=8081",
         f"--trainer-image=ghcr.io/memfit/memfit-trainer:{chart().metadata['appVersion']}",
+        f"--trainer-cpu-image=ghcr.io/memfit/memfit-trainer:{chart().metadata['appVersion']}-cpu",
     ]
     ports = {p["name"]: p["containerPort"] for p in operator["ports"]}
     assert ports == {"metrics": 8080, "health": 8081}

@@ -47,6 +47,10 @@ app.kubernetes.io/component: operator
 {{- printf "%s:%s" .Values.trainer.image.repository (default .Chart.AppVersion .Values.trainer.image.tag) -}}
 {{- end -}}
 
+{{- define "memfit.trainerCpuImage" -}}
+{{- printf "%s:%s" .Values.trainer.cpuImage.repository (default (printf "%s-cpu" .Chart.AppVersion) .Values.trainer.cpuImage.tag) -}}
+{{- end -}}
+
 {{/* The Prometheus Operator's API is served: ServiceMonitor, PodMonitor, PrometheusRule can exist. */}}
 {{- define "memfit.prometheusOperator" -}}
 {{- if .Capabilities.APIVersions.Has "monitoring.coreos.com/v1" -}}true{{- end -}}
