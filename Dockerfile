@@ -8,10 +8,17 @@
 # build): DeepSpeed's CPU accelerator and its ops prebuilt.
 # Both run as the unprivileged uid 10001 (the chart's Deployment and the operator's trainer pods run as it).
 # The install steps are the Makefile's `setup` steps (what CI runs): a virtual environment, pip, setuptools
-# and wheel upgraded, torch first at the Makefile's version, then memfit without build isolation so
-# DeepSpeed builds against that torch. tests/chart/test_dockerfile.py holds the two together.
+# and wheel upgraded, torch first at the Makefile's version, then memfit's dependencies without build
+# isolation so DeepSpeed builds against that torch, then memfit. tests/chart/test_dockerfile.py holds the
+# two together.
 # Each image copies the core (memfit/) and its own package only: the operator and the trainer share nothing
 # else (their contract is memfit.contract), and pyproject.toml's package search skips the absent folder.
+# Layers, for fast rebuilds: the dependencies are installed before any source is copied, from a requirements
+# file per image that the `requirements` stage extracts from pyproject.toml (project.dependencies plus the
+# image's extra). COPY --from is cached by content, so only a change of that list reinstalls them (in the
+# trainer, recompiles DeepSpeed's ops); a change of the sources, README.md or pyproject.toml's other tables
+# reruns only the last step, `pip install --no-deps .` of memfit itself. The `requirements` stage runs on
+# OPERATOR_BASE (it needs a Python with tomllib, which the CUDA base lacks before its apt step).
 
 ARG PYTHON_VERSION=3.11
 ARG OPERATOR_BASE=python:${PYTHON_VERSION}-slim
@@ -20,18 +27,33 @@ ARG OPERATOR_BASE=python:${PYTHON_VERSION}-slim
 ARG TRAINER_BASE=nvidia/cuda:12.8.1-cudnn-devel-ubuntu22.04
 ARG TRAINER_VARIANT=cuda
 
+# --- requirements -----------------------------------------------------------------------------------
+# operator.txt and trainer.txt: project.dependencies plus the image's optional dependencies, in
+# pyproject.toml's order, each once. Only these files reach the images.
+FROM ${OPERATOR_BASE} AS requirements
+WORKDIR /requirements
+COPY pyproject.toml ./
+RUN python -c "import pathlib, tomllib; project = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+      write = lambda extra: pathlib.Path(extra + '.txt').write_text('\n'.join(dict.fromkeys( \
+        project['dependencies'] + project['optional-dependencies'][extra])) + '\n'); \
+      write('operator'); write('trainer')"
+
 # --- operator ---------------------------------------------------------------------------------------
 FROM ${OPERATOR_BASE} AS operator
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     VIRTUAL_ENV=/opt/memfit PATH=/opt/memfit/bin:$PATH
+RUN python -m venv /opt/memfit \
+ && python -m pip install --upgrade pip setuptools wheel \
+ && useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin memfit
 WORKDIR /app
+COPY --from=requirements /requirements/operator.txt requirements.txt
+RUN python -m pip install -r requirements.txt
+# memfit itself, without its dependencies (the layer above; pip check fails the build if one is unmet).
 COPY pyproject.toml README.md ./
 COPY memfit ./memfit
 COPY operator ./operator
-RUN python -m venv /opt/memfit \
- && python -m pip install --upgrade pip setuptools wheel \
- && python -m pip install '.[operator]' \
- && useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin memfit
+RUN python -m pip install --no-deps --no-build-isolation . \
+ && python -m pip check
 USER 10001:10001
 ENTRYPOINT ["memfit"]
 CMD ["operator"]
@@ -59,19 +81,24 @@ RUN apt-get update \
 WORKDIR /app
 RUN python -m pip install --upgrade pip setuptools wheel \
  && python -m pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
-COPY pyproject.toml README.md ./
-COPY memfit ./memfit
-COPY trainer ./trainer
-# DeepSpeed's ops compiled at build time (CPU Adam for offload, fused Adam, async I/O for NVMe; on the CPU
-# accelerator also its shared-memory collectives, an op CUDA's builders do not have), so a pod never spends
-# minutes compiling before its first step. No GPU is needed to build them: the architectures are named
-# (A100, A10/A40/3090, L4/L40/4090, H100/H200). g++ above: the CUDA devel image has it, a plain base not.
+COPY --from=requirements /requirements/trainer.txt requirements.txt
+# The dependencies, without build isolation so DeepSpeed builds against the torch above, with DeepSpeed's ops
+# compiled at build time (CPU Adam for offload, fused Adam, async I/O for NVMe; on the CPU accelerator also
+# its shared-memory collectives, an op CUDA's builders do not have), so a pod never spends minutes compiling
+# before its first step. No GPU is needed to build them: the architectures are named (A100, A10/A40/3090,
+# L4/L40/4090, H100/H200). g++ above: the CUDA devel image has it, a plain base not.
 RUN DS_BUILD_CPU_ADAM=1 DS_BUILD_FUSED_ADAM=1 DS_BUILD_AIO=1 DS_BUILD_SHM_COMM=1 TORCH_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0" \
-    python -m pip install --no-build-isolation '.[trainer]' \
+    python -m pip install --no-build-isolation -r requirements.txt \
  && DS_ACCELERATOR=${TRAINER_VARIANT} python -c "from deepspeed.git_version_info import installed_ops as ops; \
       built = ('cpu_adam', 'fused_adam', 'async_io') + (('deepspeed_shm_comm',) if '${TRAINER_VARIANT}' == 'cpu' else ()); \
       assert all(ops[op] for op in built), ops" \
  && useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin memfit
+# memfit itself, without its dependencies (the layer above; pip check fails the build if one is unmet).
+COPY pyproject.toml README.md ./
+COPY memfit ./memfit
+COPY trainer ./trainer
+RUN python -m pip install --no-deps --no-build-isolation . \
+ && python -m pip check
 USER 10001:10001
 # The operator's pods run `torchrun -m memfit_trainer.main` (on PATH from the virtual environment).
 ENTRYPOINT ["memfit-train"]

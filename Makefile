@@ -17,7 +17,7 @@ ENVTEST ?= ../shared/k8s/envtest-assets
 # rebuild each other's ops, and wait on each other's locks, on every alternation).
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/memfit/torch_extensions/$(shell printf %s "$(abspath $(VENV))" | sha256sum | cut -c1-12)
 
-.PHONY: setup tools test test-fast demo profiles crds dashboards lint bench images images-load
+.PHONY: setup tools test test-fast demo profiles crds dashboards lint bench images images-load e2e
 
 setup: $(VENV)/.installed
 
@@ -62,7 +62,7 @@ dashboards: setup
 
 # Style (ruff), types (mypy: strict everywhere) and the layers (import-linter: the core
 # imports neither cluster nor torch code, the operator and the trainer never import each other).
-LINTED := memfit operator trainer calibration tests bench charts
+LINTED := memfit operator trainer calibration tests bench charts e2e
 lint: setup
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
@@ -113,3 +113,13 @@ images-load:
 	for image in $(OPERATOR_IMAGE) $(TRAINER_IMAGE); do \
 		$(PODMAN) save --format docker-archive $$image | ctr --address $(CONTAINERD_SOCK) -n k8s.io images import - || exit 1; \
 	done
+
+# The whole product on a real single-node cluster (../shared/k8s/node: root, containerd): build and start the
+# node, build the images (their dependency layers cached) and load them, then e2e/ installs the chart and runs
+# jobs with real pods. The node is stopped afterwards, whatever the tests said.
+NODE ?= ../shared/k8s/node
+e2e: setup
+	$(NODE) build
+	$(NODE) up
+	$(MAKE) images images-load
+	OMP_NUM_THREADS=1 $(PY) -m pytest e2e -p no:cacheprovider; status=$$?; $(NODE) down; exit $$status

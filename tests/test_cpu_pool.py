@@ -74,6 +74,8 @@ def test_pods_on_a_cpu_pool_ask_for_no_gpu_and_run_the_cpu_image() -> None:
         assert objects.GPU_RESOURCE not in container["resources"]["limits"]
         assert "nvidia.com/gpu.product" not in pod["spec"]["nodeSelector"]
         assert {"name": "DS_ACCELERATOR", "value": "cpu"} in container["env"]
+        assert (container["resources"]["requests"]["cpu"], container["resources"]["limits"]["cpu"]) == ("500m", "1")
+        assert {"name": "OMP_NUM_THREADS", "value": "1"} in container["env"]
         requested = int(container["resources"]["requests"]["memory"].removesuffix("Mi")) * 2**20
         assert requested >= plan.memory.per_gpu.total + plan.memory.per_node.cpu  # the rank's memory is RAM
         assert int(container["resources"]["limits"]["memory"].removesuffix("Mi")) * 2**20 <= 8 * GIB

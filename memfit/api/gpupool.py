@@ -35,6 +35,7 @@ MAX_NODE_MEMORY_GIB: Final = 65_536.0
 """CPU memory or NVMe space of one node: 64 TiB."""
 MAX_GPUS_PER_NODE: Final = 64
 MAX_NODES: Final = 10_000
+MAX_CPUS_PER_RANK: Final = 1024.0
 MIN_GBPS: Final = 0.01
 """Bandwidths in GB/s: 10 MB/s at least."""
 MAX_GBPS: Final = 100_000.0
@@ -84,6 +85,9 @@ class GPUPoolSpec(ApiModel):
     """Communication bandwidths."""
     peak_tflops: PeakTFLOPS = Field(default_factory=PeakTFLOPS)
     """Peak compute per GPU (default: from the product table)."""
+    cpus_per_rank: Annotated[float, Strict(), Field(ge=0.1, le=MAX_CPUS_PER_RANK)] | None = None
+    """CPU cores each trainer process (one per GPU) requests (default: 2, or 4 where states are offloaded to the
+    host); on a CPU pool the cores that compute. The limit is twice the request."""
     node_selector: dict[StrictStr, StrictStr] = Field(default_factory=dict)
     """Extra node labels the trainer pods select (the product label is always added)."""
     tolerations: list[Toleration] = Field(default_factory=list)

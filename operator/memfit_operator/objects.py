@@ -343,9 +343,17 @@ def _volumes(
     return volumes, mounts
 
 
-def cpus_per_rank(plan: PlanCandidate) -> int:
+def cpus_per_rank(plan: PlanCandidate, pool: GPUPool) -> float:
+    """The pool's ``cpusPerRank``, else memfit's rule: more cores where states are offloaded to the host."""
+    if pool.spec.cpus_per_rank is not None:
+        return pool.spec.cpus_per_rank
     offloading = {plan.strategy.offload_optimizer, plan.strategy.offload_parameters} - {Offload.NONE}
     return CPUS_PER_RANK_OFFLOADING if offloading else CPUS_PER_RANK
+
+
+def cpu_quantity(cores: float) -> str:
+    """Cores as a Kubernetes quantity (whole cores plainly, fractions in millicores)."""
+    return str(int(cores)) if cores == int(cores) else f"{math.ceil(cores * 1000)}m"
 
 
 def _pod(metadata: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
@@ -358,6 +366,9 @@ def _pod(metadata: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
         "spec": {
             "restartPolicy": "Never",
             "automountServiceAccountToken": False,
+            # No Docker-link variables of the namespace's Services: a Service named like memfit-... would set
+            # MEMFIT_* variables the trainer reads.
+            "enableServiceLinks": False,
             "securityContext": {
                 "runAsNonRoot": True,
                 "runAsUser": 10001,
@@ -389,11 +400,12 @@ def _python_environment(job: FineTuneJob, threads: str) -> list[dict[str, Any]]:
     ]
 
 
-def _environment(job: FineTuneJob, plan: PlanCandidate, cpu_only: bool) -> list[dict[str, Any]]:
+def _environment(job: FineTuneJob, plan: PlanCandidate, pool: GPUPool) -> list[dict[str, Any]]:
     # On a CPU pool DeepSpeed is told its accelerator (it would only warn and guess without a GPU).
-    accelerator = [{"name": "DS_ACCELERATOR", "value": "cpu"}] if cpu_only else []
+    accelerator = [{"name": "DS_ACCELERATOR", "value": "cpu"}] if pool.spec.cpu_only else []
+    threads = max(1, math.floor(cpus_per_rank(plan, pool) * CPU_LIMIT_FACTOR))
     env = (
-        _python_environment(job, str(cpus_per_rank(plan) * CPU_LIMIT_FACTOR))
+        _python_environment(job, str(threads))
         + accelerator
         + [
             # Every other cache of the trainer's libraries into the writable cache volume, too.
@@ -414,18 +426,19 @@ def _environment(job: FineTuneJob, plan: PlanCandidate, cpu_only: bool) -> list[
 def resources(plan: PlanCandidate, pool: GPUPool) -> dict[str, dict[str, str]]:
     """GPUs, CPU and memory of one node rank. Memory: the plan's host memory of the node (offloaded states,
     model loading, each rank's runtime; on a CPU pool also the ranks' memory, and no GPU) as the request; the
-    limit a quarter above it, never above the node's declared memory. CPU: cores per rank by the plan's offload, the limit twice that."""
+    limit a quarter above it, never above the node's declared memory. CPU: the pool's cores per rank, else by
+    the plan's offload; the limit twice that."""
     strategy = plan.strategy
     capacity = pool_capacity(pool)
     memory = plan.memory.per_node.cpu
     if capacity.cpu_only:  # the ranks' own memory is RAM too
         memory += plan.memory.per_gpu.total * strategy.gpus_per_node
     memory_limit = max(memory, min(math.ceil(memory * HOST_MEMORY_LIMIT_MARGIN), capacity.cpu_memory_bytes_per_node))
-    cpus = cpus_per_rank(plan) * strategy.gpus_per_node
+    cpus = cpus_per_rank(plan, pool) * strategy.gpus_per_node
     gpus = {} if capacity.cpu_only else {GPU_RESOURCE: str(strategy.gpus_per_node)}
     return {
-        "requests": {**gpus, "cpu": str(cpus), "memory": quantity(memory)},
-        "limits": {**gpus, "cpu": str(cpus * CPU_LIMIT_FACTOR), "memory": quantity(memory_limit)},
+        "requests": {**gpus, "cpu": cpu_quantity(cpus), "memory": quantity(memory)},
+        "limits": {**gpus, "cpu": cpu_quantity(cpus * CPU_LIMIT_FACTOR), "memory": quantity(memory_limit)},
     }
 
 
@@ -485,7 +498,7 @@ def trainer_pod(
                     "name": "trainer",
                     "image": options.cpu_image if capacity.cpu_only and options.cpu_image else image,
                     "command": command,
-                    "env": _environment(job, plan, capacity.cpu_only),
+                    "env": _environment(job, plan, pool),
                     "ports": [
                         {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT},
                         *metrics_ports(strategy.gpus_per_node),

@@ -58,7 +58,10 @@ class OperatorSettings:
 
         def number(name: str, default: float) -> float:
             value = env.get(name)
-            return float(value) if value else default
+            try:
+                return float(value) if value else default
+            except ValueError:
+                raise ValueError(f"{name}={value!r} is not a number") from None
 
         def flag(name: str, default: bool) -> bool:
             value = env.get(name)

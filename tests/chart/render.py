@@ -36,14 +36,15 @@ def render_files(
     options = {"name": RELEASE, "namespace": NAMESPACE, "is_install": True, "kube_version": kube_version,
                "api_versions": list(api_versions)}  # fmt: skip
     payload = _native.call_string("helm_render", chart()._raw(), json.dumps(values or {}), json.dumps(options))
-    return json.loads(payload)
+    rendered: dict[str, str] = json.loads(payload)
+    return rendered
 
 
 def render(
     values: dict[str, Any] | None = None, *, api_versions: tuple[str, ...] = (), kube_version: str = KUBE_VERSION
 ) -> list[dict[str, Any]]:
     """Every object the templates produce (NOTES.txt excluded); CRDs are in :func:`chart_crds`."""
-    objects = []
+    objects: list[dict[str, Any]] = []
     for path, text in sorted(render_files(values, api_versions=api_versions, kube_version=kube_version).items()):
         if path.endswith("NOTES.txt"):
             continue
@@ -73,4 +74,5 @@ def rule_groups(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The Prometheus rule groups the chart ships (from the PrometheusRule; the rules ConfigMap holds the
     same groups, which test_chart checks)."""
     rule = one(render(values, api_versions=(PROMETHEUS_OPERATOR,)), "PrometheusRule")
-    return rule["spec"]["groups"]
+    groups: list[dict[str, Any]] = rule["spec"]["groups"]
+    return groups

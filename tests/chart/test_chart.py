@@ -232,6 +232,8 @@ def test_deployment_runs_the_operator_command() -> None:
     objects = rendered("defaults")
     deployment = one(objects, "Deployment")
     assert deployment["spec"]["replicas"] == 2
+    # Service links would put MEMFIT_METRICS_PORT=tcp://... (the memfit-metrics Service) in its environment.
+    assert deployment["spec"]["template"]["spec"]["enableServiceLinks"] is False
     operator = container(objects)
     assert operator["image"] == f"ghcr.io/memfit/memfit-operator:{chart().metadata['appVersion']}"
     assert operator["args"] == [

@@ -1,14 +1,20 @@
 """The Dockerfile, checked without a Docker engine: two targets, non-root, a torch-free operator, the
-trainer installed with the same steps and pins as the Makefile's `setup` (what CI builds and tests), and the
+trainer installed with the same steps and pins as the Makefile's `setup` (what CI builds and tests), the
 build arguments `make images` builds them with here (local bases, the CPU trainer) leaving the production
-defaults as they are."""
+defaults as they are, and the layers that keep a rebuild after a source change fast: the dependencies
+installed from pyproject.toml's lists before any source is copied, memfit itself last with --no-deps."""
 
 from __future__ import annotations
 
 import re
 import shlex
+import shutil
+import subprocess
+import sys
 import tomllib
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import pytest
 from dockerfile_parse import DockerfileParser
@@ -26,6 +32,9 @@ class Stage:
     env: str = ""
     runs: list[str] = field(default_factory=list)
     copies: list[list[str]] = field(default_factory=list)
+    steps: list[tuple[str, str]] = field(default_factory=list)
+    """Every instruction after FROM, in order: (kind, value with its whitespace collapsed)."""
+    workdir: str | None = None
     user: str | None = None
     entrypoint: str | None = None
     cmd: str | None = None
@@ -44,7 +53,10 @@ def stages() -> dict[str, Stage]:
         if kind == "FROM":
             base, _, name = value.partition(" AS ")
             current = found.setdefault(name.strip(), Stage(base.strip()))
-        elif kind == "ARG" and "=" in value:
+            continue
+        if kind != "COMMENT":
+            current.steps.append((kind, " ".join(value.split())))
+        if kind == "ARG" and "=" in value:
             key, default = value.split("=", 1)
             current.args[key] = default
         elif kind == "ENV":
@@ -59,6 +71,8 @@ def stages() -> dict[str, Stage]:
             current.entrypoint = value
         elif kind == "CMD":
             current.cmd = value
+        elif kind == "WORKDIR":
+            current.workdir = value
     return found
 
 
@@ -78,15 +92,38 @@ def makefile_variable(name: str) -> str:
     return match.group(1).strip()
 
 
+def pip_install_args(run: str) -> list[list[str]]:
+    """The arguments of every `pip install` in one RUN step."""
+    installs = []
+    for command in run.split("&&"):
+        words = shlex.split(command)
+        if "pip" in words and "install" in words:
+            installs.append(words[words.index("install") + 1 :])
+    return installs
+
+
 def pip_installs(stage: Stage) -> list[list[str]]:
     """The arguments of every `python -m pip install` in the stage's RUN steps."""
-    installs = []
-    for run in stage.runs:
-        for command in run.split("&&"):
-            words = shlex.split(command)
-            if "pip" in words and "install" in words:
-                installs.append(words[words.index("install") + 1 :])
-    return installs
+    return [install for run in stage.runs for install in pip_install_args(run)]
+
+
+def dependency_install(stage: Stage) -> str:
+    """The one RUN step that installs the image's dependencies: from the requirements file."""
+    (run,) = [run for run in stage.runs if any("requirements.txt" in args for args in pip_install_args(run))]
+    return run
+
+
+def is_source_copy(value: str) -> bool:
+    """A COPY from the build context (not --from another stage)."""
+    return not any(word.startswith("--from=") for word in value.split())
+
+
+REQUIREMENTS = "requirements"
+"""The stage that extracts the images' requirements files from pyproject.toml."""
+
+
+def pyproject() -> dict[str, Any]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +149,7 @@ def test_cpu_trainer_names_deepspeeds_cpu_accelerator(dockerfile: dict[str, Stag
     """The CPU variant's own stage sets the accelerator (the ops are built for it, and a pod needs no
     detection); the shared steps check the ops of the variant built, the CPU's shared-memory op included."""
     assert "DS_ACCELERATOR=cpu" in dockerfile["trainer-cpu"].env.split()
-    (build,) = [run for run in dockerfile["trainer"].runs if "'.[trainer]'" in run]
+    build = dependency_install(dockerfile["trainer"])
     assert "DS_BUILD_SHM_COMM=1" in build and "DS_ACCELERATOR=${TRAINER_VARIANT}" in build
     assert "'deepspeed_shm_comm'" in build and "g++" in " ".join(dockerfile["trainer"].runs)
 
@@ -143,23 +180,73 @@ def test_entrypoints_are_the_project_scripts(dockerfile: dict[str, Stage]) -> No
 @pytest.mark.parametrize("target", ["operator", "trainer"])
 def test_each_image_copies_the_core_and_only_its_own_package(dockerfile: dict[str, Stage], target: str) -> None:
     """The operator image has no trainer code and the trainer image no operator code; the package search
-    looks in both folders (and finds nothing in the one an image lacks)."""
-    sources = {source for words in dockerfile[target].copies for source in words[:-1] if not source.startswith("--")}
+    looks in both folders (and finds nothing in the one an image lacks). From the requirements stage an image
+    takes its own requirements file only."""
+    copies = [" ".join(words) for words in dockerfile[target].copies]
+    sources = {
+        source for copy in copies if is_source_copy(copy) for source in copy.split()[:-1] if not source.startswith("--")
+    }
     assert sources == {"pyproject.toml", "README.md", "memfit", target}
-    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    assert [copy for copy in copies if not is_source_copy(copy)] == [
+        f"--from={REQUIREMENTS} /requirements/{target}.txt requirements.txt"
+    ]
+    find = pyproject()["tool"]["setuptools"]["packages"]["find"]
     assert set(find["where"]) == {".", "operator", "trainer"}
+
+
+@pytest.mark.parametrize("target", ["operator", "trainer"])
+def test_dependencies_are_a_layer_before_any_source(dockerfile: dict[str, Stage], target: str) -> None:
+    """Layer caching: everything up to the dependency install depends on the base, the build arguments and
+    the image's requirements file only (COPY --from is cached by its content), so a change of the sources,
+    README.md or pyproject.toml's other tables reruns only the steps after the first source COPY, and those
+    are memfit's own install, --no-deps (its dependencies are the layer above), and pip check."""
+    steps = dockerfile[target].steps
+    first_source = next(i for i, (kind, value) in enumerate(steps) if kind == "COPY" and is_source_copy(value))
+    before, after = steps[:first_source], steps[first_source:]
+    assert [value for kind, value in before if kind == "COPY"] == [
+        f"--from={REQUIREMENTS} /requirements/{target}.txt requirements.txt"
+    ]
+    assert dependency_install(dockerfile[target]) in [value for kind, value in before if kind == "RUN"]
+    assert pip_install_args(dependency_install(dockerfile[target]))[0][-2:] == ["-r", "requirements.txt"]
+    (package,) = [value for kind, value in after if kind == "RUN"]
+    assert pip_install_args(package) == [["--no-deps", "--no-build-isolation", "."]]
+    assert package.endswith("&& python -m pip check")  # the build fails if a dependency is unmet
+    assert {kind for kind, _ in after} <= {"COPY", "RUN", "USER", "ENTRYPOINT", "CMD"}
+
+
+def test_requirements_stage_extracts_pyprojects_dependency_lists(dockerfile: dict[str, Stage], tmp_path: Path) -> None:
+    """The requirements stage's own script, run on pyproject.toml: each image's file is project.dependencies
+    plus its extra (what `pip install '.[operator]'` / `'.[trainer]'` would install), and nothing else of
+    the repository reaches the stage."""
+    stage = dockerfile[REQUIREMENTS]
+    assert base_image(dockerfile, REQUIREMENTS) == base_image(dockerfile, "operator")  # a Python with tomllib
+    assert stage.workdir == "/requirements" and stage.copies == [["pyproject.toml", "./"]]
+    (run,) = stage.runs
+    words = shlex.split(run)
+    assert words[:2] == ["python", "-c"] and len(words) == 3
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    subprocess.run([sys.executable, "-c", words[2]], cwd=tmp_path, check=True)
+    project = pyproject()["project"]
+    for target in ("operator", "trainer"):
+        lines = (tmp_path / f"{target}.txt").read_text().splitlines()
+        assert len(lines) == len(set(lines))
+        assert set(lines) == set(project["dependencies"]) | set(project["optional-dependencies"][target])
 
 
 def test_operator_image_has_no_torch(dockerfile: dict[str, Stage]) -> None:
     stage = dockerfile["operator"]
-    assert not any("torch" in run or "[trainer" in run or "deepspeed" in run for run in stage.runs)
-    assert pip_installs(stage)[-1] == [".[operator]"]
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert not any(re.match(r"(torch|deepspeed|bitsandbytes)\b", dep) for dep in extras["operator"])
+    assert not any(
+        "torch" in run or "[trainer" in run or "deepspeed" in run or "trainer.txt" in run for run in stage.runs
+    )
+    assert pip_installs(stage)[1:] == [["-r", "requirements.txt"], ["--no-deps", "--no-build-isolation", "."]]
+    project = pyproject()["project"]
+    dependencies = project["dependencies"] + project["optional-dependencies"]["operator"]
+    assert not any(re.match(r"(torch|deepspeed|bitsandbytes)\b", dep) for dep in dependencies)
 
 
 def test_trainer_installs_like_the_makefile(dockerfile: dict[str, Stage]) -> None:
-    """Makefile setup: pip/setuptools/wheel upgraded, "$(TORCH)" first, then memfit --no-build-isolation."""
+    """Makefile setup: pip/setuptools/wheel upgraded, "$(TORCH)" first, then memfit --no-build-isolation (here
+    its dependencies, then memfit itself)."""
     stage = dockerfile["trainer"]
     installs = pip_installs(stage)
     makefile = (ROOT / "Makefile").read_text()
@@ -168,13 +255,16 @@ def test_trainer_installs_like_the_makefile(dockerfile: dict[str, Stage]) -> Non
     torch_pin = makefile_variable("TORCH")  # torch==X.Y.Z
     assert installs[1][0] == "torch==${TORCH_VERSION}" and f"torch=={stage.args['TORCH_VERSION']}" == torch_pin
     assert "--no-build-isolation -e '.[operator,trainer,dev]'" in makefile
-    assert installs[2] == ["--no-build-isolation", ".[trainer]"]
+    assert installs[2:] == [
+        ["--no-build-isolation", "-r", "requirements.txt"],
+        ["--no-deps", "--no-build-isolation", "."],
+    ]
     assert any("-m venv /opt/memfit" in run for run in stage.runs) and "PATH=/opt/memfit/bin:$PATH" in stage.env
 
 
 def test_trainer_prebuilds_deepspeed_ops_for_its_cuda(dockerfile: dict[str, Stage]) -> None:
     stage = dockerfile["trainer"]
-    (build,) = [run for run in stage.runs if "'.[trainer]'" in run]
+    build = dependency_install(stage)  # the dependency layer: a source change does not recompile the ops
     for op in ("DS_BUILD_CPU_ADAM=1", "DS_BUILD_FUSED_ADAM=1", "DS_BUILD_AIO=1", "TORCH_CUDA_ARCH_LIST="):
         assert op in build
     assert "installed_ops" in build  # the build fails if an op was not compiled

@@ -104,6 +104,7 @@ def test_pod_runs_torchrun_for_its_node_rank(job, planned) -> None:  # type: ign
                                     "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}  # fmt: skip
     assert spec["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert spec["restartPolicy"] == "Never" and spec["automountServiceAccountToken"] is False
+    assert spec["enableServiceLinks"] is False  # no MEMFIT_* variables from Services named memfit-...
     assert pod["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "research"
     assert "team" not in pod["metadata"]["labels"]
 

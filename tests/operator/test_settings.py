@@ -38,3 +38,10 @@ def test_peers_that_are_not_a_list_of_objects_are_refused(monkeypatch: pytest.Mo
     monkeypatch.setenv("MEMFIT_NETWORK_POLICY_METRICS_FROM", value)
     with pytest.raises(ValueError):
         OperatorSettings.from_environment()
+
+
+def test_a_setting_that_is_not_a_number_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What a Service named memfit-metrics puts in a pod whose enableServiceLinks is left on.
+    monkeypatch.setenv("MEMFIT_METRICS_PORT", "tcp://10.96.0.191:8080")
+    with pytest.raises(ValueError, match=r"MEMFIT_METRICS_PORT='tcp://10.96.0.191:8080' is not a number"):
+        OperatorSettings.from_environment()

@@ -1,0 +1,156 @@
+"""The whole product on a real node: the chart installed as the README says, a FineTuneJob applied with
+kubectl, and its pods really running the trainer image (containerd, runc, CNI, cluster DNS).
+
+Run by ``make e2e`` (never by ``make test``): it needs root, containerd and the images ``make images`` builds.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from e2e.cluster import REPO, apply, get, host_claim, items, kubectl, namespace, wait_for
+
+NAMESPACE = "e2e"
+EXAMPLES = ("tiny", "chat-validation")
+"""The examples whose data the data claim holds (each under its own folder)."""
+TRAIN_SECONDS = 1200.0
+"""A generous bound for a tiny job's pods to start and train (nothing here depends on a machine's speed)."""
+
+
+def example_job(example: str, name: str, *, spec: dict[str, Any] | None = None, **training: Any) -> dict[str, Any]:
+    """examples/EXAMPLE/job.yaml named ``name`` in this namespace on the CPU pool, as a gang of two pods (one
+    rank each), its data under EXAMPLE/ on the data claim, its output under NAME/ on the output claim."""
+    document: dict[str, Any] = yaml.safe_load((REPO / "examples" / example / "job.yaml").read_text())
+    document["metadata"] = {"name": name, "namespace": NAMESPACE}
+    document["spec"]["dataset"]["source"]["path"] = f"{example}/{document['spec']['dataset']['source']['path']}"
+    document["spec"]["resources"] = {"pool": "cpu", "maxGPUs": 2}
+    document["spec"]["training"].update(training)
+    document["spec"]["output"] = {"pvc": "output", "path": f"{name}/"}
+    document["spec"].update(spec or {})
+    return document
+
+
+def status(name: str) -> dict[str, Any]:
+    status: dict[str, Any] = (get("finetunejob", name, NAMESPACE) or {}).get("status", {})
+    return status
+
+
+def wait_until_done(name: str, *, seen: Callable[[dict[str, Any]], None] = lambda _: None) -> dict[str, Any]:
+    """The job's status once it has Succeeded (``seen`` gets every status on the way); Failed ends the test."""
+
+    def succeeded() -> dict[str, Any] | None:
+        current = status(name)
+        seen(current)
+        if current.get("phase") == "Failed":
+            raise AssertionError(f"job {name} failed\n{describe(name)}")
+        return current if current.get("phase") == "Succeeded" else None
+
+    return wait_for(f"job {name} to succeed", succeeded, TRAIN_SECONDS, lambda: describe(name))
+
+
+def pods_of(name: str) -> list[dict[str, Any]]:
+    return items("pods", NAMESPACE, f"memfit.dev/job={name}")
+
+
+def describe(name: str) -> str:
+    """The job's status and its pods, for a failure message."""
+    job = get("finetunejob", name, NAMESPACE) or {}
+    pods = kubectl("get", "pods", "-n", NAMESPACE, "-o", "wide", check=False)
+    events = kubectl("get", "events", "-n", NAMESPACE, "--sort-by=.lastTimestamp", check=False)
+    return f"status: {yaml.safe_dump(job.get('status', {}))}\npods:\n{pods}\nevents:\n{events[-4000:]}"
+
+
+@pytest.fixture(scope="module")
+def volumes(installed: list[dict[str, Any]], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("claims")
+    data, output = root / "data", root / "output"
+    for example in EXAMPLES:
+        shutil.copytree(REPO / "examples" / example / "data", data / example)
+    apply([namespace(NAMESPACE)])
+    apply(host_claim(NAMESPACE, "data", data) + host_claim(NAMESPACE, "output", output))
+    return {"data": data, "output": output}
+
+
+def test_the_tiny_job_trains_to_the_end_as_a_gang_of_two_pods(volumes: dict[str, Path], artifacts: Path) -> None:
+    name = "tiny"
+    apply([example_job("tiny", name, maxSteps=20, checkpointEverySteps=10)])
+    ranks: set[tuple[str, str]] = set()
+    steps: set[int] = set()
+
+    def seen(current: dict[str, Any]) -> None:
+        for pod in pods_of(name):
+            labels = pod["metadata"]["labels"]
+            ranks.add((labels["memfit.dev/attempt"], labels["memfit.dev/node-rank"]))
+        steps.add(current.get("progress", {}).get("step", 0))
+
+    done = wait_until_done(name, seen=seen)
+    strategy = done["plan"]["strategy"]
+    assert (strategy["pool"], strategy["nodes"], strategy["gpusPerNode"]) == ("cpu", 2, 1)
+    assert ranks == {("1", "0"), ("1", "1")}  # one attempt, two pods
+    assert done["progress"]["step"] == 20 and done["progress"]["totalSteps"] == 20
+    final = volumes["output"] / name / "final"
+    assert final.is_dir() and any(final.glob("*.safetensors")), sorted(p.name for p in final.parent.iterdir())
+    table = kubectl("get", "finetunejobs", "-n", NAMESPACE)
+    assert name in table and "Succeeded" in table
+    (artifacts / "kubectl-get-finetunejobs.txt").write_text(f"$ kubectl get finetunejobs -n {NAMESPACE}\n{table}")
+
+
+def test_a_chat_job_with_validation_on_fsdp2(volumes: dict[str, Path]) -> None:
+    name = "chat"
+    apply([example_job("chat-validation", name, spec={"strategy": {"engine": "fsdp2"}}, maxSteps=20)])
+    done = wait_until_done(name)
+    assert done["plan"]["strategy"]["engine"] == "fsdp2"
+    assert done["progress"]["validationStep"] == 20 and done["progress"]["validationLoss"] > 0
+    assert any((volumes["output"] / name / "final").glob("*.safetensors"))
+
+
+def test_a_lora_job(volumes: dict[str, Path]) -> None:
+    name = "lora"
+    apply([example_job("tiny", name, spec={"method": "lora"}, maxSteps=20, learningRate=0.0002)])
+    done = wait_until_done(name)
+    assert done["plan"]["strategy"]["method"] == "lora"
+    assert any((volumes["output"] / name / "final").glob("adapter_model.safetensors"))
+
+
+def test_a_deleted_trainer_pod_restarts_the_gang_from_its_last_checkpoint(volumes: dict[str, Path]) -> None:
+    name = "restart"
+    apply([example_job("tiny", name, maxSteps=60, checkpointEverySteps=10)])
+    checkpointed = wait_for(
+        "a first checkpoint",
+        lambda: (status(name).get("progress") or {}).get("lastCheckpointStep"),
+        TRAIN_SECONDS,
+        lambda: describe(name),
+    )
+    [victim] = [p["metadata"]["name"] for p in pods_of(name) if p["metadata"]["labels"]["memfit.dev/node-rank"] == "1"]
+    kubectl("delete", "pod", victim, "-n", NAMESPACE, "--wait=false")
+    done = wait_until_done(name)
+    assert done["restarts"] == 1
+    first, second = done["attempts"]
+    assert first["outcome"] == "Failed" and second["outcome"] == "Succeeded"
+    assert second["resumedFromStep"] >= checkpointed  # from its newest checkpoint, not from step 0
+    assert done["progress"]["step"] == 60
+
+
+def test_suspend_resume_and_delete_with_real_pods(volumes: dict[str, Path]) -> None:
+    name = "lifecycle"
+    apply([example_job("tiny", name, maxSteps=400, checkpointEverySteps=10)])
+    wait_for("a first checkpoint", lambda: (status(name).get("progress") or {}).get("lastCheckpointStep"),
+             TRAIN_SECONDS, lambda: describe(name))  # fmt: skip
+    kubectl("patch", "finetunejob", name, "-n", NAMESPACE, "--type=merge", "-p", '{"spec": {"suspend": true}}')
+    wait_for("the suspended job's pods to go", lambda: status(name).get("phase") == "Suspended" and not pods_of(name),
+             TRAIN_SECONDS, lambda: describe(name))  # fmt: skip
+    kubectl("patch", "finetunejob", name, "-n", NAMESPACE, "--type=merge", "-p", '{"spec": {"suspend": false}}')
+    wait_for("the resumed job to run again", lambda: status(name).get("phase") == "Running" and pods_of(name),
+             TRAIN_SECONDS, lambda: describe(name))  # fmt: skip
+    assert status(name)["attempts"][-1]["resumedFromStep"] >= 10
+    kubectl("delete", "finetunejob", name, "-n", NAMESPACE)
+    selector = f"memfit.dev/job={name}"
+    wait_for("every child to be deleted",
+             lambda: not any(items(kind, NAMESPACE, selector) for kind in ("pods", "configmaps", "services")),
+             TRAIN_SECONDS, lambda: describe(name))  # fmt: skip
