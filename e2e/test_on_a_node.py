@@ -79,7 +79,8 @@ def volumes(installed: list[dict[str, Any]], tmp_path_factory: pytest.TempPathFa
 
 def test_the_tiny_job_trains_to_the_end_as_a_gang_of_two_pods(volumes: dict[str, Path], artifacts: Path) -> None:
     name = "tiny"
-    apply([example_job("tiny", name, maxSteps=20, checkpointEverySteps=10)])
+    # Long enough (tens of seconds) for the operator to read rank 0's progress while it runs (every 15 s).
+    apply([example_job("tiny", name, maxSteps=300, checkpointEverySteps=100)])
     ranks: set[tuple[str, str]] = set()
     steps: set[int] = set()
 
@@ -87,13 +88,13 @@ def test_the_tiny_job_trains_to_the_end_as_a_gang_of_two_pods(volumes: dict[str,
         for pod in pods_of(name):
             labels = pod["metadata"]["labels"]
             ranks.add((labels["memfit.dev/attempt"], labels["memfit.dev/node-rank"]))
-        steps.add(current.get("progress", {}).get("step", 0))
+        steps.add((current.get("progress") or {}).get("step", 0))
 
     done = wait_until_done(name, seen=seen)
     strategy = done["plan"]["strategy"]
     assert (strategy["pool"], strategy["nodes"], strategy["gpusPerNode"]) == ("cpu", 2, 1)
     assert ranks == {("1", "0"), ("1", "1")}  # one attempt, two pods
-    assert done["progress"]["step"] == 20 and done["progress"]["totalSteps"] == 20
+    assert any(0 < step <= 300 for step in steps), steps  # read from rank 0's metrics endpoint while running
     final = volumes["output"] / name / "final"
     assert final.is_dir() and any(final.glob("*.safetensors")), sorted(p.name for p in final.parent.iterdir())
     table = kubectl("get", "finetunejobs", "-n", NAMESPACE)

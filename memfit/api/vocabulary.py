@@ -187,6 +187,7 @@ class TerminationReason(StrEnum):
 
     OUT_OF_MEMORY = "OutOfMemory"
     CONFIG_ERROR = "ConfigError"
+    COMPLETED = "Completed"
 
 
 class StepPhase(StrEnum):

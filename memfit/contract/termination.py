@@ -8,7 +8,10 @@ Its ``reason`` is a ``memfit.api.vocabulary.TerminationReason``:
 
 * ``{"reason": "OutOfMemory", ...}``: a GPU ran out of memory (memfit_trainer.oom); the operator re-plans;
 * ``{"reason": "ConfigError", "message": ...}``: the trainer refused its config or data before training
-  (exit code 2); restarting cannot help, so the operator fails the job with the message.
+  (exit code 2); restarting cannot help, so the operator fails the job with the message;
+* ``{"reason": "Completed", "progress": ...}``: rank 0 finished training (exit code 0); its last progress
+  (``memfit.contract.progress``), which the operator's periodic reads of its metrics can have missed (a
+  job shorter than their interval, the last steps after the last read).
 
 No torch here: the operator imports the reasons.
 """
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.api.vocabulary import TerminationReason
+from memfit.contract.progress import Progress
 
 DEFAULT_TERMINATION_LOG = "/dev/termination-log"
 MAX_TERMINATION_MESSAGE_BYTES = 4096
@@ -96,3 +100,22 @@ def config_error_message(path: str | Path) -> str | None:
         return None
     message = payload.get("message")
     return message if isinstance(message, str) else None
+
+
+def completed_message(progress: Progress) -> str:
+    """Rank 0's termination message after its last step: the reason and its final progress."""
+    return json.dumps({"reason": TerminationReason.COMPLETED, "progress": json.loads(progress.to_json())})
+
+
+def completed_progress(message: str | None) -> Progress | None:
+    """The final progress of a Completed termination message; None for any other message (or none)."""
+    try:
+        payload = json.loads(message or "")
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(payload, dict) or payload.get("reason") != TerminationReason.COMPLETED:
+        return None
+    try:
+        return Progress.model_validate(payload.get("progress"))
+    except ValueError:
+        return None

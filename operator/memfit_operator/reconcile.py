@@ -56,12 +56,14 @@ from memfit_operator.objects import (
 )
 from memfit_operator.status import (
     GangState,
+    final_progress,
     gang_state,
     memory_per_gpu,
     profiling_outcome,
     progress_display,
     report_pod,
     set_condition,
+    status_progress,
 )
 
 TERMINAL = (Phase.SUCCEEDED, Phase.FAILED)
@@ -483,6 +485,9 @@ def _follow(run: _Pass, job: FineTuneJob, plan: PlanCandidate, attempt: Attempt)
     elif gang.outcome is Outcome.FAILED:
         _restart(run, job, plan, attempt, pods, gang.reason)
     elif gang.outcome is Outcome.SUCCEEDED:
+        final = final_progress(pods)
+        if final is not None:
+            _record_progress(run.status, status_progress(final))
         _succeed(run, attempt, gang.reason)
     elif gang.outcome is Outcome.RUNNING:
         if run.phase(Phase.RUNNING):

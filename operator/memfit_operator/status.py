@@ -13,8 +13,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 from memfit.api.base import Condition
+from memfit.api.finetunejob import Progress
 from memfit.api.plan import PlanCandidate
 from memfit.api.vocabulary import TIMESTAMP_FORMAT, ConditionType, Outcome, Reason, TerminationReason
+from memfit.contract.progress import Progress as TrainerProgress
+from memfit.contract.termination import completed_progress
 from memfit.units import GIB
 
 
@@ -120,6 +123,34 @@ def report_pod(pod: Mapping[str, Any]) -> PodReport:
         return PodReport(name, Outcome.PENDING, _unschedulable(name, status))
     # Left: a pod phase of Running, Succeeded or Unknown (Kubernetes' words; the first two are also outcomes).
     return PodReport(name, Outcome(phase) if phase in (Outcome.RUNNING, Outcome.SUCCEEDED) else Outcome.PENDING)
+
+
+def final_progress(pods: Iterable[Mapping[str, Any]]) -> TrainerProgress | None:
+    """Rank 0's progress after its last step, from its termination message (memfit.contract.termination's
+    Completed): the pod that finished training says where it ended, also when no read of its metrics did."""
+    for pod in pods:
+        for container in (pod.get("status") or {}).get("containerStatuses") or []:
+            terminated = _termination(container)
+            if terminated and terminated.get("exitCode", 0) == 0:
+                progress = completed_progress(terminated.get("message"))
+                if progress is not None:
+                    return progress
+    return None
+
+
+def status_progress(final: TrainerProgress) -> Progress:
+    """``status.progress`` from the progress rank 0 reports at its end (:func:`final_progress`)."""
+    total = final.total_steps
+    return Progress(
+        step=final.step,
+        total_steps=total,
+        percent=min(100, 100 * final.step // total) if total else 0,
+        tokens_per_second=round(final.tokens_per_second, 1),
+        last_checkpoint_step=final.last_checkpoint_step,
+        validation_loss=final.validation_loss,
+        validation_step=final.validation_step,
+        updated=final.updated.astimezone(UTC).strftime(TIMESTAMP_FORMAT),
+    )
 
 
 def _unschedulable(name: str, status: Mapping[str, Any]) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ from memfit.api.finetunejob import FineTuneJobSpec, FineTuneJobStatus, Progress
 from memfit.api.gpupool import GPUPool
 from memfit.api.loading import load_documents
 from memfit.api.vocabulary import MANAGED_BY, MANAGED_BY_LABEL, Phase
+from memfit.contract.progress import Progress as TrainerProgress
+from memfit.contract.termination import completed_message
 from memfit.units import GIB
 from memfit_operator.objects import ATTEMPT_LABEL, CONFIG_FILE, PROFILE_LABEL, RANK_LABEL, TrainerOptions
 from memfit_operator.reconcile import Decision, Event, Observation, reconcile
@@ -417,6 +420,23 @@ def test_all_ranks_succeeded_is_terminal_success(gang: FakeCluster) -> None:
     assert (gang.condition("Running")["status"], gang.condition("Running")["reason"]) == ("False", "Completed")
     assert reasons(decision.events) == [("Normal", "Succeeded")]
     assert decision.create == [] and decision.delete == []
+
+
+def test_a_job_too_short_for_a_progress_read_ends_with_rank_0s_final_progress(gang: FakeCluster) -> None:
+    gang.launch_running()
+    gang.step()  # no progress was read while it ran (its steps took less than the reading interval)
+    final = TrainerProgress(step=40, total_steps=40, percent=100.0, tokens_per_second=1234.56, eta_seconds=0.0,
+                            eta=None, last_checkpoint_step=40, loss=2.5, validation_loss=3.25, validation_step=40,
+                            updated=datetime(2026, 1, 1, tzinfo=UTC))  # fmt: skip
+    rank0, *others = gang.attempt_pods(1)
+    gang.terminated(rank0, "Succeeded", 0, "Completed", completed_message(final))
+    gang.succeeded(*others)
+    status = gang.step().status
+    assert status.phase is Phase.SUCCEEDED and status.progress is not None
+    progress = status.progress
+    assert (progress.step, progress.total_steps, progress.percent, progress.last_checkpoint_step) == (40, 40, 100, 40)
+    assert (progress.validation_loss, progress.validation_step, progress.tokens_per_second) == (3.25, 40, 1234.6)
+    assert status.progress_display == "100% 40/40"
 
 
 def test_succeeded_is_terminal_whatever_happens_afterwards(gang: FakeCluster) -> None:

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
+from memfit.contract.termination import completed_progress
 from tests.trainer.runs import TINY_LLAMA, assert_same_final_weights, logged_losses, make_config, write_config
 from tests.trainer.test_training import RESUME_EVERY, assert_learned, kill_after_first_checkpoint_and_resume, train_ok
 
@@ -98,6 +99,9 @@ def test_full_finetuning_learns_and_checkpoints_fp32_masters(full_run: tuple[Pat
     assert "lm_head.weight" in weights and {t.dtype for t in weights.values()} == {torch.bfloat16}
     checkpoints = output / "checkpoints" / "full-bf16-fsdp2"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000012", "step-000016"]
+    # Rank 0's final progress, for the operator (a job can end before any read of its metrics).
+    final = completed_progress((output.parent / "termination-log").read_text())
+    assert final is not None and (final.step, final.total_steps, final.last_checkpoint_step) == (STEPS, STEPS, STEPS)
     written = marker(output, "full-bf16-fsdp2", STEPS)
     assert written["layout"] == LAYOUT
     assert written["dataShape"] == {"worldSize": 2, "microBatchSize": 2}

@@ -16,7 +16,12 @@ import sys
 from collections.abc import Sequence
 
 from memfit.contract.reader import ConfigError, load_config
-from memfit.contract.termination import DEFAULT_TERMINATION_LOG, report_config_error
+from memfit.contract.termination import (
+    DEFAULT_TERMINATION_LOG,
+    completed_message,
+    report_config_error,
+    write_termination_message,
+)
 from memfit.contract.trainer_config import TrainerConfig
 
 EXIT_CONFIG = 2
@@ -75,6 +80,8 @@ def run(config: TrainerConfig) -> int:
         return EXIT_CONFIG
     finally:
         metrics.close()
+    if metrics.last_progress is not None:  # rank 0: the final progress, for the operator
+        write_termination_message(completed_message(metrics.last_progress), config.termination_log)
     dist.destroy_process_group()
     return 0
 

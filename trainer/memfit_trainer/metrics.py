@@ -89,6 +89,8 @@ class TrainerMetrics:
         self._labels = (config.job, str(rank))
         self._checkpoint_every = config.training.checkpoint_every_steps
         self._progress_file = Path(config.metrics.progress_file) if rank == 0 and config.metrics.progress_file else None
+        self.last_progress: Progress | None = None
+        """Rank 0's progress after its last step (its termination message carries the final one)."""
         self._window: deque[tuple[int, float]] = deque(maxlen=RATE_WINDOW_STEPS)
         self._step: int | None = None
         self._total_steps: int | None = None
@@ -313,7 +315,7 @@ class TrainerMetrics:
             self._set(self._total_gauge, self._total_steps)
             self._set(self._ratio_gauge, self._step / self._total_steps)
             self._set(self._eta_gauge, eta_seconds)
-        if self._progress_file is None:
+        if self.rank != 0:
             return
         updated = _now()
         progress = Progress(
@@ -329,6 +331,9 @@ class TrainerMetrics:
             validation_step=self._validation_step,
             updated=updated,
         )
+        self.last_progress = progress
+        if self._progress_file is None:
+            return
         try:
             write_progress(self._progress_file, progress)
         except OSError as error:
