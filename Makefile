@@ -120,6 +120,7 @@ images-load:
 NODE ?= ../shared/k8s/node
 e2e: setup
 	$(NODE) build
+	$(NODE) down >/dev/null 2>&1 || true   # a node left up by an earlier run: `up` starts a fresh one
 	$(NODE) up
 	$(MAKE) images images-load
 	OMP_NUM_THREADS=1 $(PY) -m pytest e2e -p no:cacheprovider; status=$$?; $(NODE) down; exit $$status

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +20,7 @@ OPERATOR_IMAGE = ("localhost/memfit-operator", "dev")
 TRAINER_CPU_IMAGE = ("localhost/memfit-trainer", "dev-cpu")
 """What ``make images`` builds and ``make images-load`` puts into the node's containerd."""
 INSTALL_SECONDS = 300.0
+GPU_POOL, GPU_PRODUCT = "l4", "NVIDIA-L4"
 TEST_NAMESPACES = ("e2e",)
 
 
@@ -36,9 +36,11 @@ VALUES: dict[str, Any] = {
         "cpuImage": {"repository": TRAINER_CPU_IMAGE[0], "tag": TRAINER_CPU_IMAGE[1]},
         "cacheGiB": 1,
     },
-    "gpuPools": [cpu_pool()],
-}
-"""The chart's values for this node: the images built here, and its one CPU pool."""
+    "gpuPools": [cpu_pool(), {"name": GPU_POOL, "spec": {
+        "gpuProduct": GPU_PRODUCT, "gpusPerNode": 1, "nodes": 1, "cpuMemoryGiBPerNode": 8.0, "cpusPerRank": 0.5}}],
+}  # fmt: skip
+"""The chart's values for this node: the images built here, its CPU pool, and a GPU pool whose GPUs the node
+advertises (:func:`advertised_gpus`) without having any."""
 
 
 def reset() -> None:
@@ -76,8 +78,15 @@ def installed() -> Iterator[list[dict[str, Any]]]:
 
 
 @pytest.fixture(scope="session")
-def artifacts() -> Path:
-    """What the run leaves for the README (``kubectl get`` output): build/e2e."""
-    directory = REPO / "build" / "e2e"
-    directory.mkdir(parents=True, exist_ok=True)
-    return directory
+def advertised_gpus(installed: list[dict[str, Any]]) -> Iterator[str]:
+    """The node labelled as a GPU node and advertising two ``nvidia.com/gpu`` (a status patch, the documented
+    way to advertise a node-level extended resource): GPU pods schedule, and see no device."""
+    node = kubectl("get", "nodes", "-o", "jsonpath={.items[0].metadata.name}")
+    kubectl("label", "node", node, "--overwrite", f"nvidia.com/gpu.product={GPU_PRODUCT}")
+    patch = [{"op": "add", "path": f"/status/{field}/nvidia.com~1gpu", "value": "2"}
+             for field in ("capacity", "allocatable")]  # fmt: skip
+    kubectl("patch", "node", node, "--subresource=status", "--type=json", "-p", json.dumps(patch))
+    yield node
+    kubectl("label", "node", node, "nvidia.com/gpu.product-")
+    removal = [{"op": "remove", "path": f"/status/{field}/nvidia.com~1gpu"} for field in ("capacity", "allocatable")]
+    kubectl("patch", "node", node, "--subresource=status", "--type=json", "-p", json.dumps(removal), check=False)

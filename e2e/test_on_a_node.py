@@ -54,6 +54,15 @@ def wait_until_done(name: str, *, seen: Callable[[dict[str, Any]], None] = lambd
     return wait_for(f"job {name} to succeed", succeeded, TRAIN_SECONDS, lambda: describe(name))
 
 
+def show_in_readme(command: str, output: str) -> None:
+    """Put ``output`` into the README's block after the line ``$ COMMAND`` (as tests/readme_outputs.py does for
+    `memfit plan`): the README shows what this run printed, never a hand-edited copy."""
+    readme = REPO / "README.md"
+    text = readme.read_text()
+    start = text.index(f"$ {command}\n") + len(f"$ {command}\n")
+    readme.write_text(text[:start] + output + text[text.index("```", start) :])
+
+
 def pods_of(name: str) -> list[dict[str, Any]]:
     return items("pods", NAMESPACE, f"memfit.dev/job={name}")
 
@@ -77,7 +86,7 @@ def volumes(installed: list[dict[str, Any]], tmp_path_factory: pytest.TempPathFa
     return {"data": data, "output": output}
 
 
-def test_the_tiny_job_trains_to_the_end_as_a_gang_of_two_pods(volumes: dict[str, Path], artifacts: Path) -> None:
+def test_the_tiny_job_trains_to_the_end_as_a_gang_of_two_pods(volumes: dict[str, Path]) -> None:
     name = "tiny"
     # Long enough (tens of seconds) for the operator to read rank 0's progress while it runs (every 15 s).
     apply([example_job("tiny", name, maxSteps=300, checkpointEverySteps=100)])
@@ -99,7 +108,7 @@ def test_the_tiny_job_trains_to_the_end_as_a_gang_of_two_pods(volumes: dict[str,
     assert final.is_dir() and any(final.glob("*.safetensors")), sorted(p.name for p in final.parent.iterdir())
     table = kubectl("get", "finetunejobs", "-n", NAMESPACE)
     assert name in table and "Succeeded" in table
-    (artifacts / "kubectl-get-finetunejobs.txt").write_text(f"$ kubectl get finetunejobs -n {NAMESPACE}\n{table}")
+    show_in_readme(f"kubectl get finetunejobs -n {NAMESPACE}", table)
 
 
 def test_a_chat_job_with_validation_on_fsdp2(volumes: dict[str, Path]) -> None:
@@ -121,7 +130,8 @@ def test_a_lora_job(volumes: dict[str, Path]) -> None:
 
 def test_a_deleted_trainer_pod_restarts_the_gang_from_its_last_checkpoint(volumes: dict[str, Path]) -> None:
     name = "restart"
-    apply([example_job("tiny", name, maxSteps=60, checkpointEverySteps=10)])
+    # Minutes of steps: the operator reads progress every 15 s, and the pod is deleted after a checkpoint it read.
+    apply([example_job("tiny", name, maxSteps=1000, checkpointEverySteps=50)])
     checkpointed = wait_for(
         "a first checkpoint",
         lambda: (status(name).get("progress") or {}).get("lastCheckpointStep"),
@@ -135,12 +145,12 @@ def test_a_deleted_trainer_pod_restarts_the_gang_from_its_last_checkpoint(volume
     first, second = done["attempts"]
     assert first["outcome"] == "Failed" and second["outcome"] == "Succeeded"
     assert second["resumedFromStep"] >= checkpointed  # from its newest checkpoint, not from step 0
-    assert done["progress"]["step"] == 60
+    assert done["progress"]["step"] == 1000
 
 
 def test_suspend_resume_and_delete_with_real_pods(volumes: dict[str, Path]) -> None:
     name = "lifecycle"
-    apply([example_job("tiny", name, maxSteps=400, checkpointEverySteps=10)])
+    apply([example_job("tiny", name, maxSteps=5000, checkpointEverySteps=50)])  # deleted long before its end
     wait_for("a first checkpoint", lambda: (status(name).get("progress") or {}).get("lastCheckpointStep"),
              TRAIN_SECONDS, lambda: describe(name))  # fmt: skip
     kubectl("patch", "finetunejob", name, "-n", NAMESPACE, "--type=merge", "-p", '{"spec": {"suspend": true}}')
@@ -149,9 +159,75 @@ def test_suspend_resume_and_delete_with_real_pods(volumes: dict[str, Path]) -> N
     kubectl("patch", "finetunejob", name, "-n", NAMESPACE, "--type=merge", "-p", '{"spec": {"suspend": false}}')
     wait_for("the resumed job to run again", lambda: status(name).get("phase") == "Running" and pods_of(name),
              TRAIN_SECONDS, lambda: describe(name))  # fmt: skip
-    assert status(name)["attempts"][-1]["resumedFromStep"] >= 10
+    assert status(name)["attempts"][-1]["resumedFromStep"] >= 50
     kubectl("delete", "finetunejob", name, "-n", NAMESPACE)
     selector = f"memfit.dev/job={name}"
     wait_for("every child to be deleted",
              lambda: not any(items(kind, NAMESPACE, selector) for kind in ("pods", "configmaps", "services")),
              TRAIN_SECONDS, lambda: describe(name))  # fmt: skip
+
+
+def failed_with(name: str) -> dict[str, Any]:
+    """The job's status once Failed (a Succeeded job ends the test)."""
+
+    def failed() -> dict[str, Any] | None:
+        current = status(name)
+        if current.get("phase") == "Succeeded":
+            raise AssertionError(f"job {name} succeeded\n{describe(name)}")
+        return current if current.get("phase") == "Failed" else None
+
+    return wait_for(f"job {name} to fail", failed, TRAIN_SECONDS, lambda: describe(name))
+
+
+def condition(current: dict[str, Any], type_: str) -> dict[str, Any]:
+    found: list[dict[str, Any]] = [c for c in current["conditions"] if c["type"] == type_]
+    assert len(found) == 1, current["conditions"]
+    return found[0]
+
+
+def warnings(name: str) -> str:
+    """The job's Warning events, one ``REASON MESSAGE`` line each."""
+    selector = f"involvedObject.name={name},type=Warning"
+    columns = "custom-columns=REASON:.reason,MESSAGE:.message"
+    return kubectl("get", "events", "-n", NAMESPACE, "--field-selector", selector, "-o", columns)
+
+
+def test_a_missing_model_directory_fails_the_job_once_with_a_clear_condition(volumes: dict[str, Path]) -> None:
+    name = "no-model"
+    job = example_job("tiny", name)
+    job["spec"]["model"].update({"randomInit": False, "source": {"pvc": "data", "path": "no-such-model"}})
+    apply([job])
+    done = failed_with(name)
+    succeeded = condition(done, "Succeeded")
+    assert succeeded["reason"] == "TrainerConfigError" and "no-such-model" in succeeded["message"], succeeded
+    assert done["restarts"] == 0 and len(done["attempts"]) == 1  # no restart loop
+    assert "TrainerConfigError" in warnings(name)
+
+
+def test_a_gpu_pool_whose_node_has_no_device_fails_once_with_the_trainers_reason(
+    volumes: dict[str, Path], advertised_gpus: str
+) -> None:
+    name = "no-device"
+    job = example_job("tiny", name)
+    job["spec"]["resources"] = {"pool": "l4", "maxGPUs": 1}
+    apply([job])
+    done = failed_with(name)
+    assert done["plan"]["strategy"]["pool"] == "l4"
+    succeeded = condition(done, "Succeeded")
+    assert succeeded["reason"] == "TrainerConfigError" and "sees no CUDA device" in succeeded["message"], succeeded
+    assert done["restarts"] == 0 and len(done["attempts"]) == 1
+
+
+def test_the_operator_deleted_mid_job_is_replaced_and_adopts_it(volumes: dict[str, Path]) -> None:
+    name = "adopted"
+    apply([example_job("tiny", name, maxSteps=1000, checkpointEverySteps=100)])
+    wait_for("the job to report progress", lambda: (status(name).get("progress") or {}).get("step"),
+             TRAIN_SECONDS, lambda: describe(name))  # fmt: skip
+    operators = "app.kubernetes.io/component=operator"
+    before = {p["metadata"]["name"] for p in items("pods", "memfit-system", operators)}
+    kubectl("delete", "pods", "-n", "memfit-system", "-l", operators, "--wait=false")
+    done = wait_until_done(name)
+    after = {p["metadata"]["name"] for p in items("pods", "memfit-system", operators)}
+    assert after and not after & before  # new operator pods finished the job
+    assert done["restarts"] == 0 and len(done["attempts"]) == 1 and done["progress"]["step"] == 1000
+    assert sorted(p["metadata"]["name"] for p in pods_of(name)) == [f"{name}-a1-n0", f"{name}-a1-n1"]  # no duplicates

@@ -8,6 +8,7 @@ from typing import Annotated, Final, Literal
 from pydantic import Field, Strict, model_validator
 
 from memfit.api.base import API_VERSION, ApiModel, ObjectMeta, StrictFloat, StrictInt, StrictStr, Toleration
+from memfit.api.vocabulary import Devices
 from memfit.catalog.gpus import GPUProduct, gpu_product, unknown_product
 from memfit.units import GIB
 
@@ -96,6 +97,11 @@ class GPUPoolSpec(ApiModel):
     @property
     def cpu_only(self) -> bool:
         return self.gpu_product.lower() == CPU_PRODUCT
+
+    @property
+    def devices(self) -> Devices:
+        """What the pool's ranks compute on."""
+        return Devices.CPU if self.cpu_only else Devices.CUDA
 
     @model_validator(mode="after")
     def _known_or_complete(self) -> GPUPoolSpec:

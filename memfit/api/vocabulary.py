@@ -46,6 +46,15 @@ PlannedPrecision = Literal[Precision.BF16, Precision.FP16, Precision.FP32]
 """A precision a plan can run (never auto)."""
 
 
+class Devices(StrEnum):
+    """What a plan's ranks compute on (a trainer config's ``devices``)."""
+
+    CUDA = "cuda"
+    """NVIDIA GPUs, one per rank: the trainer refuses to start where it sees none."""
+    CPU = "cpu"
+    """CPU processes (a CPU pool, or ``memfit run --local`` without GPUs)."""
+
+
 class Offload(StrEnum):
     """Where offloaded states live: the GPU itself (none), CPU memory, or NVMe."""
 

@@ -227,7 +227,7 @@ def run_local(job_file: Path, ranks: int | None, mount_args: list[str], workdir:
         config = render_trainer_config(
             job, result.chosen, mounts=mounts,
             metrics=MetricsConfig(port=0, progress_file=str(workdir / "progress.json")),
-            termination_log=str(workdir / "termination-log"), planned=planned,
+            termination_log=str(workdir / "termination-log"), planned=planned, devices=pool.spec.devices,
         )  # fmt: skip
         _check_paths(config, mounts)
         config_path = write_config_file(workdir, config.to_json())

@@ -22,7 +22,7 @@ from pydantic import Field, Strict, field_validator, model_validator
 
 from memfit.api.base import ApiModel
 from memfit.api.knobs import Knobs, conflicts, knobs_of
-from memfit.api.vocabulary import EIGHT_BIT_OPTIMIZERS, Method, Offload
+from memfit.api.vocabulary import EIGHT_BIT_OPTIMIZERS, Devices, Method, Offload
 from memfit.contract.engines import DEEPSPEED_OPTIMIZER_TYPES, DeepSpeedEngineSection, EngineSection
 from memfit.contract.layout import CheckpointLayout
 from memfit.contract.paths import AbsolutePath, within
@@ -62,6 +62,9 @@ class TrainerConfig(ApiModel):
     termination_log: AbsolutePath = "/dev/termination-log"
     volumes: VolumesConfig | None = None
     """The roots of data.path, outputDir and a model directory (None: unknown, nothing is checked)."""
+    devices: Devices | None = None
+    """What the plan's ranks compute on: with ``cuda`` the trainer stops at start-up (ConfigError) where it sees
+    no CUDA device, rather than training a GPU plan on the CPU (None: whatever is there)."""
 
     @field_validator("version", mode="before")
     @classmethod

@@ -15,7 +15,7 @@ from pathlib import PurePosixPath
 
 from memfit.api.finetunejob import DatasetSpec, FineTuneJob, ModelSpec
 from memfit.api.plan import PlanCandidate
-from memfit.api.vocabulary import Engine
+from memfit.api.vocabulary import Devices, Engine
 from memfit.contract.engines import DeepSpeedEngineSection
 from memfit.contract.paths import MAX_PATH_LENGTH
 from memfit.contract.sections import (
@@ -126,8 +126,10 @@ def render_trainer_config(
     metrics: MetricsConfig | None = None,
     termination_log: str = "/dev/termination-log",
     planned: PlannedModel | None = None,
+    devices: Devices | None = None,
 ) -> TrainerConfig:
-    """The trainer's config for running ``plan``; ``planned``: the profiled model the plan was made for."""
+    """The trainer's config for running ``plan``; ``planned``: the profiled model the plan was made for;
+    ``devices``: what the plan's pool computes on (the trainer checks it sees them)."""
     spec, strategy = job.spec, plan.strategy
     planned = spec.model.planned(planned)
     model = model_config(spec.model, mounts.model, planned.planned_fields())
@@ -177,4 +179,5 @@ def render_trainer_config(
         metrics=metrics or MetricsConfig(),
         termination_log=termination_log,
         volumes=VolumesConfig(model=model_volume, data=mounts.data, output=mounts.output),
+        devices=devices,
     )

@@ -514,7 +514,7 @@ def _attempt_objects(
     run: _Pass, job: FineTuneJob, plan: PlanCandidate, pool: GPUPool, number: int
 ) -> list[dict[str, Any]]:
     flops = peak_flops(pool_capacity(pool), plan.strategy.precision)
-    config = render_trainer_config(job, plan, peak_flops=flops, planned=run.model)
+    config = render_trainer_config(job, plan, peak_flops=flops, planned=run.model, devices=pool.spec.devices)
     return attempt_objects(job, plan, pool, config, number, run.image, run.options)
 
 

@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from memfit.api.vocabulary import Attention, TerminationReason
+from memfit.api.vocabulary import Attention, Devices, TerminationReason
 from memfit.contract.engines import DeepSpeedEngineSection
 from memfit.contract.reader import ConfigError
 from memfit.contract.sections import VolumesConfig
@@ -81,6 +82,14 @@ def test_config_this_machine_cannot_run_fails_before_any_work(tmp_path: Path) ->
 
 def test_preflight_accepts_a_runnable_config(tmp_path: Path) -> None:
     check(make_config(tmp_path), {"WORLD_SIZE": "2"})
+
+
+def test_a_gpu_plan_where_no_cuda_device_is_seen_is_refused_at_start(tmp_path: Path) -> None:
+    assert not torch.cuda.is_available()  # this machine: what a pod on a node without a working device plugin sees
+    config = make_config(tmp_path)
+    check(config.model_copy(update={"devices": Devices.CPU}), {"WORLD_SIZE": "2"})
+    with pytest.raises(ConfigError, match="the plan is for NVIDIA GPUs but this container sees no CUDA device"):
+        check(config.model_copy(update={"devices": Devices.CUDA}), {"WORLD_SIZE": "2"})
 
 
 def test_preflight_leaves_room_for_every_local_ranks_metrics_port(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from memfit.api.vocabulary import EIGHT_BIT_OPTIMIZERS, Attention, Engine, Method, Optimizer, Precision
+from memfit.api.vocabulary import EIGHT_BIT_OPTIMIZERS, Attention, Devices, Engine, Method, Optimizer, Precision
 from memfit.contract.engines import DeepSpeedEngineSection
 from memfit.contract.model_match import model_directory_problem
 from memfit.contract.reader import ConfigError
@@ -78,6 +78,21 @@ def _metrics_port_problem(config: TrainerConfig, environ: Mapping[str, str]) -> 
     if port and port + local_ranks - 1 > 65535:
         return f"metrics.port {port} + {local_ranks - 1} (rank r serves port + local rank) is beyond 65535"
     return None
+
+
+def _devices_problem(config: TrainerConfig) -> str | None:
+    """A plan for GPUs where the container sees none (a node that advertises nvidia.com/gpu without a working
+    device plugin or runtime): said at start-up, not trained on the CPU under the GPU plan's numbers."""
+    if config.devices != Devices.CUDA:
+        return None
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return (
+        "the plan is for NVIDIA GPUs but this container sees no CUDA device (torch.cuda.is_available() is "
+        "False): the node's GPU device plugin or container runtime gives it none"
+    )
 
 
 def _precision_problem(precision: Precision) -> str | None:
@@ -190,7 +205,10 @@ def check(config: TrainerConfig, environ: Mapping[str, str]) -> None:
         problems.append(port)
     if not volume_problems and not _writable_dir(Path(config.output_dir)):  # never create outside the volume
         problems.append(f"outputDir {config.output_dir!r} cannot be created or written")
-    precision = _precision_problem(training.precision)
+    devices = _devices_problem(config)
+    if devices:
+        problems.append(devices)
+    precision = None if devices else _precision_problem(training.precision)
     if precision:
         problems.append(precision)
     if problems:
