@@ -12,12 +12,13 @@ import socket
 import socketserver
 import subprocess
 import threading
-import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
+
+from tests.k8s.cluster import wait_for as cluster_wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 NODE_DIR = Path(os.environ.get("NODE_DIR", Path.home() / ".cache" / "k8s-node"))
@@ -71,16 +72,8 @@ def items(kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
 
 
 def wait_for(what: str, probe: Callable[[], T | None], timeout: float, describe: Callable[[], str]) -> T:
-    """``probe()``'s first truthy value; past ``timeout`` seconds an AssertionError that says what was awaited
-    and ``describe()`` (the state the cluster was left in)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{describe()}")
-        time.sleep(POLL_SECONDS)
+    """tests.k8s.cluster's wait, polling a real cluster every few seconds."""
+    return cluster_wait_for(what, probe, timeout, POLL_SECONDS, describe)
 
 
 def host_claim(namespace: str, name: str, directory: Path) -> list[dict[str, Any]]:

@@ -163,16 +163,24 @@ class PoolCapacity:
 GB = 1e9
 
 
+CPU_RANK: Final = GPUProduct(CPU_PRODUCT, 0.0, True, CPU_RANK_TFLOPS, CPU_RANK_TFLOPS, CPU_RANK_GBPS, CPU_RANK_GBPS)
+"""What a CPU pool's ranks are planned with where the pool says nothing (estimates, see each constant); the
+memory of a rank is its share of the node's RAM instead of a product's."""
+
+
 def pool_capacity(pool: GPUPool) -> PoolCapacity:
-    """Resolve a pool's defaults from the GPU product table."""
+    """Resolve a pool's defaults from the GPU product table (a CPU pool's from ``CPU_RANK``)."""
     spec = pool.spec
+    known: GPUProduct | None
     if spec.cpu_only:
-        return _cpu_capacity(pool)
-    try:
-        known: GPUProduct | None = gpu_product(spec.gpu_product)
-    except KeyError:
-        known = None
-    memory_gib = spec.gpu_memory_gib or (known.memory_gib if known else 0.0)
+        known = CPU_RANK
+    else:
+        try:
+            known = gpu_product(spec.gpu_product)
+        except KeyError:
+            known = None
+    share = spec.cpu_memory_gib_per_node / spec.gpus_per_node if spec.cpu_only else None
+    memory_gib = spec.gpu_memory_gib or share or (known.memory_gib if known else 0.0)
     bf16_tflops = spec.peak_tflops.bf16 or (known.peak_tflops_bf16 if known else None)
     fp16_tflops = spec.peak_tflops.fp16 or (known.peak_tflops_fp16 if known else 0.0)
     intra = spec.interconnect.intra_node_gbps or (known.intra_node_gbps if known else 25.0)
@@ -191,29 +199,5 @@ def pool_capacity(pool: GPUPool) -> PoolCapacity:
         intra_node_bytes_per_second=intra * GB,
         inter_node_bytes_per_second=spec.interconnect.inter_node_gbps * GB,
         pcie_bytes_per_second=(known.pcie_gbps if known else 25.0) * GB,
-    )
-
-
-def _cpu_capacity(pool: GPUPool) -> PoolCapacity:
-    """A CPU pool: each rank's memory a share of the node's RAM, the compute and bandwidths estimates unless given."""
-    spec = pool.spec
-    memory_gib = spec.gpu_memory_gib or spec.cpu_memory_gib_per_node / spec.gpus_per_node
-    tflops = spec.peak_tflops.bf16 or spec.peak_tflops.fp16 or CPU_RANK_TFLOPS
-    intra = spec.interconnect.intra_node_gbps or CPU_RANK_GBPS
-    return PoolCapacity(
-        name=pool.metadata.name,
-        product=CPU_PRODUCT,
-        gpu_memory_bytes=int(memory_gib * GIB),
-        gpus_per_node=spec.gpus_per_node,
-        nodes=spec.nodes,
-        cpu_memory_bytes_per_node=int(spec.cpu_memory_gib_per_node * GIB),
-        nvme_bytes_per_node=int(spec.nvme_gib_per_node * GIB),
-        nvme_bytes_per_second=spec.nvme_gbps_per_node * GB,
-        bf16=True,
-        peak_flops_bf16=tflops * 1e12,
-        peak_flops_fp16=(spec.peak_tflops.fp16 or tflops) * 1e12,
-        intra_node_bytes_per_second=intra * GB,
-        inter_node_bytes_per_second=spec.interconnect.inter_node_gbps * GB,
-        pcie_bytes_per_second=intra * GB,
-        cpu_only=True,
+        cpu_only=spec.cpu_only,
     )

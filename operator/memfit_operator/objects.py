@@ -335,11 +335,18 @@ def _volumes(
     ]
     if spec.model.source is not None:
         claims.append(("model", spec.model.source.pvc, POD_MOUNTS.model, True))
+    # One volume per claim, mounted where each use wants it: a pod that names one claim in two volumes (the
+    # model and the data on one claim) never starts (seen on a real node: FailedMount, "timed out waiting").
+    shared: dict[str, dict[str, Any]] = {}
     for name, claim, path, read_only in claims:
         if claim is None or path is None:
             continue
-        volumes.append({"name": name, "persistentVolumeClaim": {"claimName": claim, "readOnly": read_only}})
-        mounts.append({"name": name, "mountPath": path, "readOnly": read_only})
+        if claim not in shared:
+            shared[claim] = {"name": name, "persistentVolumeClaim": {"claimName": claim, "readOnly": read_only}}
+            volumes.append(shared[claim])
+        volume = shared[claim]
+        volume["persistentVolumeClaim"]["readOnly"] &= read_only  # read-only only where every use is
+        mounts.append({"name": volume["name"], "mountPath": path, "readOnly": read_only})
     return volumes, mounts
 
 

@@ -29,15 +29,22 @@ def example(name: str) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all((ROOT / "examples" / name).read_text()) if d]
 
 
-def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 30.0, every: float = 0.2) -> T:
-    """Poll ``probe`` until it returns something truthy."""
+def wait_for(
+    what: str,
+    probe: Callable[[], T | None],
+    timeout: float = 30.0,
+    every: float = 0.2,
+    describe: Callable[[], str] = lambda: "",
+) -> T:
+    """Poll ``probe`` until it returns something truthy; past ``timeout`` seconds an AssertionError that says
+    what was awaited and ``describe()`` (the state it was left in)."""
     deadline = time.monotonic() + timeout
     while True:
         value = probe()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{describe()}".rstrip())
         time.sleep(every)
 
 

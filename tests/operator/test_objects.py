@@ -128,6 +128,24 @@ def test_pod_security_and_volumes(job, planned) -> None:  # type: ignore[no-unty
     assert volumes["config"]["configMap"]["name"] == "llama-chat-a1"
 
 
+@pytest.mark.parametrize(("model_claim", "output_claim"), [("datasets", "checkpoints"), ("datasets", "datasets")])
+def test_one_volume_per_claim_mounted_where_each_use_wants_it(job, planned, model_claim, output_claim) -> None:  # type: ignore[no-untyped-def]
+    """A pod naming one claim in two volumes never starts (the kubelet times out mounting the second)."""
+    plan, pool = planned
+    spec = job.spec.model_copy(deep=True)
+    spec.model.source = spec.model.source.model_copy(update={"pvc": model_claim, "hub": None, "path": "llama"})
+    spec.output = spec.output.model_copy(update={"pvc": output_claim})
+    pod = objects.trainer_pod(job.model_copy(update={"spec": spec}), plan, pool, attempt=1, node_rank=0, image=IMAGE)
+    claims = [v["persistentVolumeClaim"] for v in pod["spec"]["volumes"] if "persistentVolumeClaim" in v]
+    assert sorted(c["claimName"] for c in claims) == sorted({"datasets", model_claim, output_claim})
+    by_claim = {c["claimName"]: c for c in claims}
+    assert by_claim["datasets"]["readOnly"] is (output_claim != "datasets")  # writable where the output is
+    mounts = {m["mountPath"]: m for m in pod["spec"]["containers"][0]["volumeMounts"]}
+    assert (mounts["/mnt/data"]["readOnly"], mounts["/mnt/model"]["readOnly"], mounts["/mnt/output"]["readOnly"]) == (
+        True, True, False)  # fmt: skip
+    assert mounts["/mnt/data"]["name"] == mounts["/mnt/model"]["name"]
+
+
 def test_hub_token_only_through_a_secret_reference(job, planned) -> None:  # type: ignore[no-untyped-def]
     plan, pool = planned
     env = objects.trainer_pod(job, plan, pool, attempt=1, node_rank=0, image=IMAGE)["spec"]["containers"][0]["env"]
