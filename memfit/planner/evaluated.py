@@ -27,10 +27,11 @@ class Shortfall(StrEnum):
         return self in (Shortfall.CPU, Shortfall.NVME)
 
 
-def node_ram(gpu: int, cpu: int, capacity: PoolCapacity) -> int:
-    """Bytes of a node's RAM a plan uses: its host memory, and on a CPU pool its ranks' memory too (every rank
-    the pool's nodes hold: a layout with fewer per node is counted as if full)."""
-    return cpu + (gpu * capacity.gpus_per_node if capacity.cpu_only else 0)
+def node_ram(gpu: int, cpu: int, capacity: PoolCapacity, ranks_per_node: int | None = None) -> int:
+    """Bytes of a node's RAM a plan uses: its host memory, and on a CPU pool its ranks' memory too
+    (``ranks_per_node``, else every rank the pool's nodes hold: a layout with fewer is counted as if full)."""
+    ranks = capacity.gpus_per_node if ranks_per_node is None else ranks_per_node
+    return cpu + (gpu * ranks if capacity.cpu_only else 0)
 
 
 def shortfall_ratio(gpu: int, cpu: int, nvme: int, limit: int, capacity: PoolCapacity) -> float:

@@ -33,6 +33,7 @@ from memfit.api.vocabulary import ALL_LINEAR, MANAGED_BY, MANAGED_BY_LABEL, Offl
 from memfit.contract.engines import DeepSpeedEngineSection
 from memfit.contract.sections import MetricsConfig
 from memfit.contract.trainer_config import TrainerConfig
+from memfit.planner.evaluated import node_ram
 from memfit.profile import PROFILE_VERSION, ModelProfile
 from memfit.render.deepspeed import NVME_PATH
 from memfit.render.trainer_config import POD_MOUNTS, inside, model_config
@@ -437,9 +438,7 @@ def resources(plan: PlanCandidate, pool: GPUPool) -> dict[str, dict[str, str]]:
     the plan's offload; the limit twice that."""
     strategy = plan.strategy
     capacity = pool_capacity(pool)
-    memory = plan.memory.per_node.cpu
-    if capacity.cpu_only:  # the ranks' own memory is RAM too
-        memory += plan.memory.per_gpu.total * strategy.gpus_per_node
+    memory = node_ram(plan.memory.per_gpu.total, plan.memory.per_node.cpu, capacity, strategy.gpus_per_node)
     memory_limit = max(memory, min(math.ceil(memory * HOST_MEMORY_LIMIT_MARGIN), capacity.cpu_memory_bytes_per_node))
     cpus = cpus_per_rank(plan, pool) * strategy.gpus_per_node
     gpus = {} if capacity.cpu_only else {GPU_RESOURCE: str(strategy.gpus_per_node)}
