@@ -4,7 +4,7 @@
 alone: parameters, the tensors each method trains, what bitsandbytes quantizes and what peft adapts are the
 profile's inventory (exact by construction), and the attention FLOPs follow each layer's type. Its activations
 come from the profile's traced terms (:mod:`memfit.memory.profiled_activations`), which cover a 16-bit step
-with the traced attention kernel, with the model's own loss or the chunked one, and without activation
+with the traced attention kernel, with the model's own loss or the chunked one, with or without activation
 offloading: what is not traced is what :attr:`ProfiledModel.untraced_techniques` and
 :meth:`ProfiledModel.unplannable` report.
 """
@@ -47,7 +47,7 @@ class ProfiledModel:
         activations = self.activations
         setups = [activations.full, activations.full_checkpointed, activations.lora, activations.lora_checkpointed]
         chunked = all(terms.chunked_loss is not None for terms in setups if terms is not None)
-        return frozenset({"activation_offloading"} if chunked else {"activation_offloading", "chunked_loss"})
+        return frozenset() if chunked else frozenset({"chunked_loss"})
 
     def planned_fields(self) -> dict[str, bool | int | str]:
         """The fields every config states alike at the top of its text config (the profile's head widths are

@@ -261,6 +261,36 @@ def test_checkpointed_layers_compose_from_the_terms_within_5_percent_of_a_whole_
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("name", ["llama", "gemma3_text", "qwen3_5_text", "gpt_oss"])
+def test_offloaded_layers_compose_from_the_checkpointed_terms_within_5_percent_of_a_whole_model_trace(
+    name: str, setup: str, profiles: dict[str, ActivationProfile]
+) -> None:
+    """Activation offloading takes each checkpointed layer's input off the GPU (the trainer's own hooks, to the
+    trace's host) and brings it back one layer ahead: the checkpointed terms compose into the whole step of a
+    model twice the pattern deep (deep enough for a prefetch), and the GPU holds what it held at half the depth
+    where that is deep enough too."""
+    profile = profiles[name]
+    traced: ActivationTerms = getattr(profile, f"{setup}_checkpointed")
+    text = text_config(CONFIGS[name])
+    pattern = tuple(text.layer_types) if getattr(text, "layer_types", None) else ("full_attention",) * 2
+    offloaded = dataclasses.replace(_setup(profile, setup), checkpointing=True, offloading=True)
+    whole = trace(text, pattern * 2, HELD_OUT, profile.attention, offloaded)
+    method = Method.FULL if setup == "full" else Method.LORA
+    plan = ActivationSetup(
+        method, Precision.BF16, True, 1, HELD_OUT, Attention(profile.attention), activation_offloading=True
+    )
+    deep, shallow = (composed(traced, kinds, int(text.hidden_size), plan) for kinds in (pattern * 2, pattern))
+    assert abs(deep.peak - whole.peak) <= 0.05 * whole.peak, (deep.peak, whole.peak)
+    deeper = pattern * 4  # LoRA keeps its first layer's input, and brings two back: few layers gain nothing
+    kept = composed(traced, deeper, int(text.hidden_size), dataclasses.replace(plan, activation_offloading=False))
+    moved = composed(traced, deeper, int(text.hidden_size), plan)
+    assert moved.peak < kept.peak and moved.host_bytes > 0 == kept.host_bytes
+    if len(pattern) >= 4:  # both deep enough that a prefetch runs beside the last layer's backward
+        assert deep.peak == shallow.peak
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("setup", SETUPS)
 @pytest.mark.parametrize("name", sorted(CONFIGS))

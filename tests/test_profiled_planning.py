@@ -188,7 +188,7 @@ def test_memfit_plan_plans_a_model_directory_from_its_config_json(
     assert not empty_profile_cache.exists()
     plans = [result["chosen"], *result["candidates"]] if result["chosen"] else []
     for plan in plans:
-        assert not plan["strategy"]["activationOffloading"]
+        assert plan["strategy"]["gradientCheckpointing"] or not plan["strategy"]["activationOffloading"]
         assert plan["parameterCount"] == STORED_TOTALS[name]
 
 
@@ -213,7 +213,6 @@ def test_the_table_names_what_the_plan_was_computed_from(tmp_path: Path, capsys:
     ("spec", "message"),
     [
         ({"training": {"globalBatchSize": 16, "sequenceLength": 4096, "precision": "fp32"}}, "fp32"),
-        ({"strategy": {"activationOffloading": True}}, "activation_offloading: not yet traced"),
         ({"strategy": {"attention": "flash"}}, "strategy.attention flash"),
     ],
 )
@@ -224,6 +223,34 @@ def test_what_the_profile_cannot_estimate_is_refused_in_one_line(
     assert main(["plan", str(job_file), "-i", str(INVENTORY), "--mount", f"models={tmp_path / 'models'}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("memfit plan: error: ") and err.count("\n") == 1 and message in err
+
+
+def test_a_profiled_model_is_planned_with_its_layer_inputs_offloaded(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Activation offloading composes from the checkpointed terms: pinned, the layers' inputs of Qwen3-8B at
+    8 x 8192 tokens leave the GPU (less GPU memory than without it) for pinned host memory."""
+    plans = {}
+    for offloading in (False, True):
+        job_file = _claim_job(
+            tmp_path / str(offloading),
+            "qwen3-8b",
+            method="lora",
+            training={"globalBatchSize": 8, "sequenceLength": 8192},
+            strategy={
+                "microBatchSize": 8,
+                "gradientCheckpointing": True,
+                "activationOffloading": offloading,
+                "chunkedLoss": True,
+            },
+        )
+        mount = f"models={tmp_path / str(offloading) / 'models'}"
+        assert main(["plan", str(job_file), "-i", str(INVENTORY), "--mount", mount, "-o", "json"]) == 0
+        plans[offloading] = json.loads(capsys.readouterr().out)["chosen"]
+    assert plans[True]["strategy"]["activationOffloading"]
+    layers, inputs = 36, 8 * 8192 * 4096 * 2  # Qwen3-8B: 36 layers of hidden 4096, bf16
+    saved = plans[False]["memory"]["perGPU"]["activations"] - plans[True]["memory"]["perGPU"]["activations"]
+    assert (layers - 4) * inputs <= saved <= layers * inputs
 
 
 def test_a_hub_model_without_sizes_is_refused_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -288,9 +315,9 @@ def test_gpt_oss_backward_holds_its_attention_scores_beyond_2048_tokens() -> Non
 
 @pytest.mark.parametrize("name", sorted(STORED_TOTALS))
 def test_every_stored_profile_traces_the_chunked_loss(name: str) -> None:
-    """Every stored model's step ran with the trainer's chunked loss (its terms are in the profile): only
-    activation offloading is left untraced."""
-    assert profiled(name).untraced_techniques == {"activation_offloading"}
+    """Every stored model's step ran with the trainer's chunked loss (its terms are in the profile), and
+    activation offloading composes from the checkpointed terms: no technique is left untraced."""
+    assert profiled(name).untraced_techniques == frozenset()
 
 
 def test_the_chunked_loss_spares_a_large_vocabulary_its_logits() -> None:

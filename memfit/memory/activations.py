@@ -21,7 +21,7 @@ log-sum-exp and labels, the hidden states' and head's gradients and one chunk's 
 
 With activation offloading (``activation_offloading``, on top of checkpointing) the layers' inputs wait in
 pinned host memory (the trainer's ``memfit_trainer.activation_offload``); the GPU holds only the inputs its
-code path has there at each moment (:func:`_offloaded_inputs`: LoRA's first input, which autograd keeps; the
+code path has there at each moment (:func:`offloaded_inputs`: LoRA's first input, which autograd keeps; the
 recomputed layer's own; the one prefetched for the next layer), and ``host_bytes`` is what the host holds
 when the forward pass ends, in the pinned allocator's blocks (:func:`pinned_host_bytes`).
 
@@ -284,7 +284,7 @@ def offloaded_layers(setup: ActivationSetup, layers: int) -> int:
     return layers - (0 if setup.method == Method.FULL else 1)
 
 
-def _offloaded_inputs(setup: ActivationSetup, layers: int, between: int) -> tuple[int, int, int]:
+def offloaded_inputs(setup: ActivationSetup, layers: int, between: int) -> tuple[int, int, int]:
     """Layer inputs on the GPU under activation offloading: (at the loss, beside the last layer's backward,
     the recomputed layer's own). They wait on the host, with three exceptions.
 
@@ -312,7 +312,7 @@ def estimate_activations(shape: ModelShape, setup: ActivationSetup) -> Activatio
     offloaded = setup.gradient_checkpointing and setup.activation_offloading
     own_input = 0
     if offloaded:
-        kept, others, own_input = _offloaded_inputs(setup, layers, between)
+        kept, others, own_input = offloaded_inputs(setup, layers, between)
         # Full fine-tuning: the first layer's backward, with nearly every gradient, holds no other input.
         # LoRA, whose gradients are counted whole: the middle layers' backward, as full as the last's.
         first_layer_input = 0 if setup.method == Method.FULL else others

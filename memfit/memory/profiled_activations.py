@@ -13,7 +13,10 @@ backward and the most its own backward adds, traced on one packed 16-bit row for
   tables, the arriving gradient) and that layer's backward peak add (``tests/test_activation_profile.py``
   holds the composed peak within 5% of a trace of the whole model);
 * with checkpointing the same, with the terms traced checkpointed: a layer then keeps its output (the next
-  one's input), and its backward peak holds its recomputation.
+  one's input), and its backward peak holds its recomputation;
+* with activation offloading on top, the layers' inputs (``hidden_size`` values per token each) leave the GPU
+  and come back on the trainer's schedule, the one the family formulas count
+  (:func:`memfit.memory.activations.offloaded_inputs`): the rest of what each layer saved stays.
 
 QLoRA is planned with the LoRA terms: bitsandbytes' dequantized weight of the matmul in flight is not traced.
 """
@@ -21,7 +24,14 @@ QLoRA is planned with the LoRA terms: bitsandbytes' dequantized weight of the ma
 from __future__ import annotations
 
 from memfit.api.vocabulary import Method
-from memfit.memory.activations import ActivationEstimate, ActivationSetup, estimate_activations
+from memfit.memory.activations import (
+    ActivationEstimate,
+    ActivationSetup,
+    estimate_activations,
+    offloaded_inputs,
+    offloaded_layers,
+    pinned_host_bytes,
+)
 from memfit.memory.sizes import BF16
 from memfit.model_shape import ModelShape
 from memfit.planned_model import PlannedModel
@@ -54,20 +64,32 @@ def composed(
     distinct = dict.fromkeys(kinds)
     saved = {kind: _rows(terms.layer(kind).saved, tokens, rows) for kind in distinct}
     peak = {kind: _rows(terms.layer(kind).backward_peak, tokens, rows) for kind in distinct}
-    kept = sum(saved[kind] for kind in kinds)
+    between = rows * tokens * hidden_size * BF16
+    offloading = setup.gradient_checkpointing and setup.activation_offloading
+    moved = offloaded_layers(setup, len(kinds)) if offloading else 0
+    kept = sum(saved[kind] for kind in kinds) - moved * between
     outside = terms.outside_terms(setup.chunked_loss)
     loss_moment = kept + _rows(outside.outside_layers, tokens, rows) + _rows(outside.loss_backward, tokens, rows)
     during = _rows(outside.outside_backward, tokens, rows)
-    layer_moment = kept + during + max(peak.values())
-    between = rows * tokens * hidden_size * BF16
+    back = offloaded_inputs(setup, len(kinds), between)[1:] if offloading else (0, 0)
+    layer_moment = kept + during + max(peak.values()) + sum(back)
+    if not offloading:
+        first_layer_moment = during + max(saved[kind] + peak[kind] for kind in distinct)
+    elif setup.method == Method.FULL:
+        # The first layer's input came back for its recomputation and is gone by its backward's worst moment.
+        first_layer_moment = during + max(saved[kind] - between + peak[kind] for kind in distinct)
+    else:
+        # LoRA's gradients are counted whole: a middle layer's backward, beside the first layer's kept input.
+        first_layer_moment = during + max(saved[kind] + peak[kind] for kind in distinct) + sum(back)
     return ActivationEstimate(
         saved_per_layer=max(saved.values()),
         kept_between_layers=between,
         loss_moment=loss_moment,
         layer_moment=layer_moment,
-        first_layer_moment=during + max(saved[kind] + peak[kind] for kind in distinct),
+        first_layer_moment=first_layer_moment,
         backward_end=between,
         peak=max(loss_moment, layer_moment),
+        host_bytes=moved * pinned_host_bytes(between),
     )
 
 

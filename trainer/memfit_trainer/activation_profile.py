@@ -61,6 +61,9 @@ class Setup:
     chunked_loss: bool = False
     """The loss as the trainer's chunked loss computes it (``memfit_trainer.chunked_loss``: the LM head inside
     the loss, one chunk of logits at a time), else the model's own (the full logits)."""
+    offloading: bool = False
+    """The checkpointed layers' inputs moved off the traced device by the trainer's own activation offloading
+    (``memfit_trainer.activation_offload``, copying to ``fake_trace.HOST``)."""
 
 
 FULL = Setup()
@@ -222,10 +225,13 @@ def training_row(tokens: int, vocab_size: int, packed: bool) -> dict[str, Any]:
 
 def trace(text: Any, layer_types: Sequence[str], tokens: int, attention: str, setup: Setup = FULL) -> Trace:
     """Train one row of ``tokens`` tokens through a copy of the model with these decoder layers, on fake tensors."""
+    from memfit_trainer.activation_offload import offload_activations
     from memfit_trainer.chunked_loss import causal_lm_loss, unwrap_causal_lm
-    from memfit_trainer.fake_trace import PhaseMemTracker, categories_of, fake_run, fake_weights, transient
+    from memfit_trainer.fake_trace import HOST, PhaseMemTracker, categories_of, fake_run, fake_weights, transient
 
     model = meta_model(text, layer_types, attention, setup)
+    if setup.offloading:
+        offload_activations(model, host=HOST)
     layers = list(model.get_submodule(decoder_layers_prefix(model, len(layer_types))))
     row = training_row(tokens, int(text.vocab_size), setup.packed)
     # Packed: the explicit mask transformers builds for the restarting positions; else none (is_causal).
