@@ -11,6 +11,8 @@ qwen3_moe      LoRA        fsdp2                       fused 3-D experts under `
 gemma3_text    full        deepspeed ZeRO-2            sliding/full layers, chunked loss with soft-capping
 gpt_oss        QLoRA       deepspeed ZeRO-2            eager attention (no SDPA), 16-bit fused experts
 qwen3_5_text   full        fsdp2                       Gated DeltaNet layers (unpacked), activation offload
+gemma4_text    QLoRA       fsdp2                       sliding/global layers with their own heads, per-layer
+                                                       inputs, 4-bit linears under ``all-linear`` adapters
 llama4_text    LoRA        fsdp2                       chunked attention, dense and routed layers (its router
                                                        left out of ``all-linear``), the chunked loss
 ministral3     full        fsdp2                       Ministral 3's decoder from its own model type
@@ -46,6 +48,7 @@ RUNS: dict[str, dict[str, Any]] = {
     "gemma3_text": {"method": "full", "engine": "deepspeed", "stage": 2, "offload": False, "chunked_loss": True},
     "gpt_oss": {"method": "qlora", "engine": "deepspeed", "stage": 2, "offload": False, "learning_rate": 1e-2},
     "qwen3_5_text": {"method": "full", "engine": "fsdp2", "stage": 3, "offload": False, "activation_offloading": True},
+    "gemma4_text": {"method": "qlora", "engine": "fsdp2", "stage": 2, "offload": False, "learning_rate": 1e-2},
     "llama4_text": {"method": "lora", "engine": "fsdp2", "stage": 2, "offload": False, "chunked_loss": True},
     "ministral3": {"method": "full", "engine": "fsdp2", "stage": 2, "offload": False},
 }
