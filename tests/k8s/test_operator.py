@@ -6,6 +6,7 @@ the operator scrapes for progress)."""
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import os
@@ -36,6 +37,7 @@ from memfit_operator import objects as operator_objects
 from memfit_operator.objects import ATTEMPT_LABEL, JOB_LABEL, RESTRICTED_SECURITY_CONTEXT, job_label
 from memfit_operator.status import memory_per_gpu
 from memfit_trainer.metrics import TrainerMetrics
+from tests.hub_stand_in import hub_stand_in
 from tests.k8s.apiserver import ApiServer
 from tests.k8s.cluster import (
     GROUP,
@@ -639,20 +641,36 @@ def profiled_job_manifest(name: str, claim_path: str) -> dict[str, Any]:
     return manifest
 
 
-def run_profiling_pod(api: client.ApiClient, kubelet: Kubelet, pod: client.V1Pod, claim: Path, work: Path) -> int:
+def run_profiling_pod(
+    api: client.ApiClient, kubelet: Kubelet, pod: client.V1Pod, work: Path, claim: Path | None = None, hub: str = ""
+) -> int:
     """The kubelet's part: run the profiling pod's command exactly as its container would (the same argv, the
-    claim's directory where the pod mounts it, a temporary file as its termination log), then write the exit
-    code and the termination message into the pod's status."""
+    claim's directory where the pod mounts it, its environment with the Secrets it references resolved, a
+    temporary file as its termination log), then write the exit code and the termination message into the
+    pod's status. ``hub``: the Hub stand-in's address (``HF_ENDPOINT``), the one thing added, as nothing here
+    reaches the Hub."""
     [container] = pod.spec.containers
     mounts = {m.name: m.mount_path for m in container.volume_mounts}
-    assert mounts["model"] == "/mnt/model" and container.termination_message_path == "/dev/termination-log"
+    assert container.termination_message_path == "/dev/termination-log"
+    work.mkdir(parents=True, exist_ok=True)
     log = work / "termination-log"
-    argv = [arg.replace(mounts["model"], str(claim), 1) if arg.startswith(mounts["model"]) else arg
-            for arg in container.command]  # fmt: skip
+    argv = list(container.command)
+    if claim is not None:
+        assert mounts["model"] == "/mnt/model"
+        argv = [arg.replace(mounts["model"], str(claim), 1) if arg.startswith(mounts["model"]) else arg
+                for arg in argv]  # fmt: skip
     argv = [str(log) if arg == container.termination_message_path else arg for arg in argv]
     assert argv[:3] == ["python", "-m", "memfit_trainer.profile"]
-    env = {**os.environ, **{e.name: e.value for e in container.env if e.value is not None}}
+    env = {key: value for key, value in os.environ.items() if not key.startswith("HF_")}
+    env.update({e.name: e.value for e in container.env if e.value is not None})
+    for variable in container.env:
+        if variable.value_from is not None:
+            ref = variable.value_from.secret_key_ref
+            secret = client.CoreV1Api(api).read_namespaced_secret(ref.name, pod.metadata.namespace)
+            env[variable.name] = base64.b64decode(secret.data[ref.key]).decode()
     env.update({"HOME": str(work), "TMPDIR": str(work), "XDG_CACHE_HOME": str(work), "HF_HOME": str(work / "hf")})
+    if hub:
+        env["HF_ENDPOINT"] = hub
     done = subprocess.run([sys.executable, *argv[1:]], env=env, capture_output=True, text=True, check=False)
     message = log.read_text(encoding="utf-8") if log.exists() else None
     reason = "Completed" if done.returncode == 0 else "Error"
@@ -685,7 +703,7 @@ def test_a_job_without_typed_sizes_is_profiled_in_a_pod_then_planned_and_launche
     assert (condition(job, "Planned")["status"], condition(job, "Planned")["reason"]) == ("False", "Profiling")
     assert wait_for("a Profiling event", lambda: has_event(api, "profiled", "Profiling"))
 
-    assert run_profiling_pod(api, kubelet, pod, claim, tmp_path) == 0
+    assert run_profiling_pod(api, kubelet, pod, tmp_path, claim) == 0
     job = wait_for("phase Launching", lambda: phase_is(api, "profiled", "Launching"))
     spec = FineTuneJob.model_validate(created).spec
     core = client.CoreV1Api(api)
@@ -725,7 +743,7 @@ def test_a_claim_without_config_json_makes_the_job_invalid_with_the_profilers_li
     (claim / "empty").mkdir(parents=True)
     create_job(api, profiled_job_manifest("unprofiled", "empty/"))
     pod = profiling_pod(api, "unprofiled")
-    assert run_profiling_pod(api, kubelet, pod, claim, tmp_path) == 2
+    assert run_profiling_pod(api, kubelet, pod, tmp_path, claim) == 2
     job = wait_for("phase Invalid", lambda: phase_is(api, "unprofiled", "Invalid"))
     planned = condition(job, "Planned")
     assert (planned["status"], planned["reason"]) == ("False", "ModelUnreadable")
@@ -735,3 +753,46 @@ def test_a_claim_without_config_json_makes_the_job_invalid_with_the_profilers_li
     assert warning[0] == "Warning" and "no config.json" in warning[2]
     assert [p.metadata.name for p in pods(api, "unprofiled")] == ["unprofiled-profile-g1"]  # kept for its logs
     assert "Forbidden" not in operator.log.read_text()
+
+
+def test_a_hub_model_is_profiled_with_the_jobs_token_and_a_gated_one_without_it_is_one_line(
+    api: client.ApiClient, operator: OperatorProcess, kubelet: Kubelet, tmp_path: Path
+) -> None:
+    """A model on the Hub (a stand-in at ``HF_ENDPOINT``): the profiling pod reads its config.json with the
+    token of the job's Secret and nothing else; a gated model whose job names no token is refused in the
+    profiler's one line, on the job's condition and in a Warning Event."""
+    config = {"config.json": tiny_config("qwen3_moe").to_json_string().encode()}
+    repos = {"memfit-tests/tiny-qwen3-moe": config, "memfit-tests/gated": config}
+    tokens = {repo: "hf_memfit_test_token" for repo in repos}
+    token = {"token": "hf_memfit_test_token"}
+    secret = client.V1Secret(metadata=client.V1ObjectMeta(name="hf-token"), string_data=token)
+    client.CoreV1Api(api).create_namespaced_secret(NAMESPACE, secret)
+    with hub_stand_in(repos, tokens) as hub:
+        manifest = profiled_job_manifest("from-hub", "unused")
+        repo = "memfit-tests/tiny-qwen3-moe"
+        manifest["spec"]["model"] = {"name": repo, "source": {"hub": repo, "tokenSecretRef": {"name": "hf-token"}}}
+        create_job(api, manifest)
+        pod = profiling_pod(api, "from-hub")
+        assert "model" not in {m.name for m in pod.spec.containers[0].volume_mounts}  # nothing but config.json
+        assert run_profiling_pod(api, kubelet, pod, tmp_path / "one", hub=hub.url) == 0
+        job = wait_for("phase Launching", lambda: phase_is(api, "from-hub", "Launching"))
+        assert condition(job, "Planned")["status"] == "True"
+        stored = client.CoreV1Api(api).read_namespaced_config_map(
+            operator_objects.profile_config_map_name(FineTuneJob.model_validate(job).spec), NAMESPACE
+        )
+        reference = stored.metadata.annotations[operator_objects.MODEL_REFERENCE_ANNOTATION]
+        assert reference == "hub:memfit-tests/tiny-qwen3-moe"
+        fetched = [(method, auth) for method, path, auth in hub.requests if path.endswith("/config.json")]
+        assert fetched and all(auth == "Bearer hf_memfit_test_token" for _, auth in fetched)
+
+        gated = profiled_job_manifest("gated-no-token", "unused")
+        gated["spec"]["model"] = {"name": "memfit-tests/gated", "source": {"hub": "memfit-tests/gated"}}
+        create_job(api, gated)
+        pod = profiling_pod(api, "gated-no-token")
+        assert run_profiling_pod(api, kubelet, pod, tmp_path / "two", hub=hub.url) == 2
+    job = wait_for("phase Invalid", lambda: phase_is(api, "gated-no-token", "Invalid"))
+    planned = condition(job, "Planned")
+    assert (planned["status"], planned["reason"]) == ("False", "ModelUnreadable")
+    assert "memfit-tests/gated: the Hub refuses access to this gated repository" in planned["message"]
+    assert "tokenSecretRef" in planned["message"] and planned["message"].count("\n") == 0
+    assert wait_for("a ModelUnreadable event", lambda: has_event(api, "gated-no-token", "ModelUnreadable"))
