@@ -146,7 +146,10 @@ class ActivationTerm(_Frozen):
 
     def bytes(self, tokens: int) -> int:
         """The term at ``tokens`` tokens: below ``valid_from``, the larger of the traced counts on either side
-        (the form there is unknown; a traced count itself is exact)."""
+        (the form there is unknown; a traced count itself is exact). A term no form reproduces is read off its
+        traced counts (:meth:`_traced`)."""
+        if not self.exact:
+            return self._traced(tokens)
         if tokens < self.valid_from:
             known = sorted(self.measured)
             below = [value for count, value in known if count <= tokens][-1:]
@@ -154,6 +157,21 @@ class ActivationTerm(_Frozen):
             return max(below + above)
         quadratic = tokens * min(tokens, self.window or tokens)
         return round(self.per_token * tokens + self.per_token_squared * quadratic + self.constant)
+
+    def _traced(self, tokens: int) -> int:
+        """The traced counts joined by straight lines, the last one continued: such a term is the largest of
+        several moments (the chunked loss's, each growing linearly once a chunk is full), so between two traced
+        counts the line is at or above it, and past the last one its steepest moment is the one that grows. No
+        count reads below the first traced one."""
+        known = sorted(self.measured)
+        if tokens <= known[0][0]:
+            return known[0][1]
+        for (low, low_bytes), (high, high_bytes) in zip(known, known[1:], strict=False):
+            if tokens <= high:
+                return round(low_bytes + (high_bytes - low_bytes) * (tokens - low) / (high - low))
+        (before, before_bytes), (last, last_bytes) = known[-2:]
+        slope = max(0.0, (last_bytes - before_bytes) / (last - before))
+        return round(last_bytes + slope * (tokens - last))
 
 
 class LayerActivations(_Frozen):

@@ -216,6 +216,12 @@ class ProfiledModel:
         kernels = self.profile.attention_kernels
         if attention is not None and attention.value not in kernels:
             return f"strategy.attention {attention.value}: {self.profile.architecture} supports {', '.join(kernels)}"
+        traced = self.activations.attention
+        if attention is not None and attention.value != traced:
+            return (
+                f"strategy.attention {attention.value}: the profile of {self.profile.architecture} traced its "
+                f"activations with {traced} attention (leave strategy.attention out)"
+            )
         untraced = sorted(techniques & self.untraced_techniques)
         if untraced:
             return f"strategy {', '.join(untraced)}: not yet traced for a model planned from its profile"

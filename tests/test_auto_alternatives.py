@@ -43,9 +43,9 @@ def test_70b_on_one_a100_shows_qlora_next_to_the_lora_it_prefers() -> None:
     spec, pools = job("llama-2-70b"), [ONE_A100_BIG_HOST]
     result = plan_job(spec, pools)
     assert result.chosen is not None
-    # Activation offloading buys micro-batch 32 in one pass (8 x 4 without): the CPU-held weights travel once.
+    # Activation offloading buys micro-batch 32 in one pass (16 x 2 without): the CPU-held weights travel once.
     assert result.chosen.strategy.summary() == "lora zero3 params->cpu ckpt act->cpu mb32x1 bf16 adamw on 1x1 a100"
-    assert result.chosen.techniques == "activation offloading: micro-batch 32 (8 without)"
+    assert result.chosen.techniques == "activation offloading: micro-batch 32 (16 without)"
     assert first_of_each_method(result) == {
         "lora": best_of(spec, pools, "lora"),
         "qlora": best_of(spec, pools, "qlora"),
@@ -91,9 +91,9 @@ def test_the_runner_ups_show_the_best_of_each_other_method() -> None:
     shown = runners_up(result)
     # lora without activation offloading next, then the best qlora (DeepSpeed), then qlora on fsdp2
     assert [c.strategy.summary() for c in shown] == [
-        "lora zero3 params->cpu ckpt mb8x4 bf16 adamw on 1x1 a100",
+        "lora zero3 params->cpu ckpt mb16x2 bf16 adamw on 1x1 a100",
         "qlora zero0 ckpt mb8x4 bf16 adamw on 1x1 a100",
-        "qlora fsdp2-zero3 ckpt mb4x8 bf16 adamw on 1x1 a100",
+        "qlora fsdp2-zero3 ckpt mb8x4 bf16 adamw on 1x1 a100",
     ]
     out = io.StringIO()
     print_plan_table(plan_of, result, Console(file=out, width=200))

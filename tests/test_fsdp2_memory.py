@@ -10,7 +10,6 @@ from memfit.api.gpupool import PoolCapacity
 from memfit.api.plan import Strategy
 from memfit.api.vocabulary import Attention, Engine, MasterWeights, Method, Offload, Optimizer, Precision
 from memfit.catalog.models import MODEL_PRESETS
-from memfit.memory.activations import estimate_activations
 from memfit.memory.engines.fsdp2 import Fsdp2Step, fsdp2_groups, fsdp2_step
 from memfit.memory.estimate import (
     activation_setup,
@@ -20,6 +19,7 @@ from memfit.memory.estimate import (
     peak_memory,
     static_memory,
 )
+from memfit.memory.profiled_activations import model_activations
 from memfit.memory.setup import Adapters, LoraSettings, StaticSetup
 from memfit.memory.sizes import NF4_BYTES_PER_PARAMETER
 from memfit.planner import throughput
@@ -88,7 +88,7 @@ def test_cpu_offload_moves_every_sharded_state_to_the_host() -> None:
 
 def _peak(strategy: Strategy, seq: int = 2048) -> tuple[int, int]:
     static = static_memory(SHAPE, StaticSetup.of(strategy), LORA)
-    acts = estimate_activations(SHAPE, activation_setup(SHAPE, strategy, seq, LORA))
+    acts = model_activations(SHAPE, activation_setup(SHAPE, strategy, seq, LORA))
     memory = peak_memory(static, acts, strategy.gradient_accumulation_steps)
     assert memory.phases is not None
     return memory.per_gpu.peak_allocated_bytes, memory.phases.forward_backward.parameters
@@ -98,7 +98,7 @@ def test_keeping_parameters_gathered_holds_every_layer_at_the_loss() -> None:
     groups = fsdp2_groups(SHAPE, Method.FULL, LORA.adapters)
     keep, reshard = (fsdp2_step(SHAPE, StaticSetup.of(s), LORA.adapters) for s in (fsdp2(stage=2), fsdp2()))
     assert keep.layer == reshard.layer == 2 * groups.layer
-    acts = estimate_activations(SHAPE, activation_setup(SHAPE, fsdp2(), 2048, LORA))
+    acts = model_activations(SHAPE, activation_setup(SHAPE, fsdp2(), 2048, LORA))
     at_loss_keep, at_loss_reshard = keep.moments(acts, False)[0], reshard.moments(acts, False)[0]
     assert at_loss_keep.parameters - at_loss_reshard.parameters == SHAPE.num_layers * 2 * groups.layer
     assert _peak(fsdp2(stage=2))[0] > _peak(fsdp2())[0]
@@ -119,7 +119,7 @@ def test_the_roots_reduce_scatter_is_counted_at_the_end_of_the_backward() -> Non
     parameter, on top of every layer's sharded gradient."""
     step = fsdp2_step(SHAPE, StaticSetup.of(fsdp2()), LORA.adapters)
     g = fsdp2_groups(SHAPE, Method.FULL, LORA.adapters)
-    acts = estimate_activations(SHAPE, activation_setup(SHAPE, fsdp2(), 1, LORA))
+    acts = model_activations(SHAPE, activation_setup(SHAPE, fsdp2(), 1, LORA))
     end = step.moments(acts, False)[-1]
     assert end.gradients == 6 * g.root + SHAPE.num_layers * (4 * g.layer // 8)
 
@@ -132,7 +132,7 @@ def test_gradient_accumulation_keeps_every_sharded_gradient() -> None:
 def test_fsdp2_has_no_deepspeed_buckets_and_phases_add_up() -> None:
     static = static_memory(SHAPE, StaticSetup.of(fsdp2()), LORA)
     assert static.communication_buffers == 0 and isinstance(static.forward_backward, Fsdp2Step)
-    acts = estimate_activations(SHAPE, activation_setup(SHAPE, fsdp2(), 2048, LORA))
+    acts = model_activations(SHAPE, activation_setup(SHAPE, fsdp2(), 2048, LORA))
     memory = peak_memory(static, acts, 1)
     from memfit.memory.estimate import step_total
 
@@ -227,12 +227,12 @@ def test_every_plan_of_a_chunked_loss_fsdp2_search_has_its_own_strategys_memory(
         strategy={"engine": "fsdp2"},
     )
     result = plan_job(spec, INVENTORY)
-    shape = spec.model.architecture.shape()
+    shape = spec.planned_model()
     lora = lora_settings(spec, shape)
     plans = [*result.candidates, *result.rejected]
     assert any(p.strategy.chunked_loss for p in plans) and any(not p.strategy.chunked_loss for p in plans)
     for plan in plans:
         s = plan.strategy
         static = static_memory(shape, StaticSetup.of(s), lora)
-        activations = estimate_activations(shape, activation_setup(shape, s, spec.training.sequence_length, lora))
+        activations = model_activations(shape, activation_setup(shape, s, spec.training.sequence_length, lora))
         assert plan.memory == peak_memory(static, activations, s.gradient_accumulation_steps), s.summary()

@@ -19,9 +19,9 @@ from memfit.api.vocabulary import Attention, Engine, Method, Offload, Optimizer,
 from memfit.catalog.models import MODEL_PRESETS
 from memfit.contract.engines import Fsdp2EngineSection
 from memfit.contract.trainer_config import TrainerConfig
-from memfit.memory.activations import estimate_activations
 from memfit.memory.engines.fsdp2 import fsdp2_groups, fsdp2_step
 from memfit.memory.estimate import activation_setup, model_states, peak_memory, static_memory
+from memfit.memory.profiled_activations import model_activations
 from memfit.memory.setup import Adapters, LoraSettings, StaticSetup
 from memfit.planner.search import plan_job
 from memfit.render.deepspeed import deepspeed_config
@@ -90,9 +90,9 @@ def test_the_trainer_config_holds_the_same_rules(tmp_path: Path) -> None:
 
 def _fits_without_it(spec: FineTuneJobSpec, strategy: Strategy) -> bool:
     plain = dataclasses.replace(strategy, optimizer_in_backward=False)
-    shape = spec.model.architecture.shape()
+    shape = spec.planned_model()
     static = static_memory(shape, StaticSetup.of(plain), LORA)
-    acts = estimate_activations(shape, activation_setup(shape, plain, spec.training.sequence_length, LORA))
+    acts = model_activations(shape, activation_setup(shape, plain, spec.training.sequence_length, LORA))
     limit = pool_capacity(RTX_4090).gpu_memory_bytes * (1 - spec.resources.memory_headroom_percent / 100)
     return peak_memory(static, acts, plain.gradient_accumulation_steps).per_gpu.total <= limit
 
@@ -176,7 +176,7 @@ def test_no_sharded_gradient_outlives_its_groups_post_backward() -> None:
     plain = fsdp2_step(SHAPE, StaticSetup.of(strategy), LORA.adapters)
     in_backward = StaticSetup.of(dataclasses.replace(strategy, optimizer_in_backward=True))
     stepped = fsdp2_step(SHAPE, in_backward, LORA.adapters)
-    acts = estimate_activations(SHAPE, activation_setup(SHAPE, strategy, 2048, LORA))
+    acts = model_activations(SHAPE, activation_setup(SHAPE, strategy, 2048, LORA))
     before, after = plain.moments(acts, False), stepped.moments(acts, False)
     first_layer, root_reduce = 4, 6
     assert before[first_layer].gradients - after[first_layer].gradients == (SHAPE.num_layers - 1) * (

@@ -10,8 +10,8 @@ import pytest
 
 from memfit.api.finetunejob import FineTuneJobSpec
 from memfit.api.plan import PlanCandidate, PlanResult
-from memfit.memory.activations import estimate_activations
 from memfit.memory.estimate import activation_setup, peak_memory, static_memory
+from memfit.memory.profiled_activations import model_activations
 from memfit.memory.setup import StaticSetup
 from memfit.planner.search import lora_settings, plan_job
 from tests.plan_grid import INVENTORY, grid_jobs
@@ -26,12 +26,12 @@ def plans() -> dict[str, PlanResult]:
 
 def fresh_memory(spec: FineTuneJobSpec, candidate: PlanCandidate) -> object:
     """The memory of the candidate's strategy computed from nothing but that strategy."""
-    shape = spec.model.architecture.shape()
+    shape = spec.planned_model()
     lora = lora_settings(spec, shape)
     strategy = candidate.strategy
     static = static_memory(shape, StaticSetup.of(strategy), lora)
     setup = activation_setup(shape, strategy, spec.training.sequence_length, lora)
-    return peak_memory(static, estimate_activations(shape, setup), strategy.gradient_accumulation_steps)
+    return peak_memory(static, model_activations(shape, setup), strategy.gradient_accumulation_steps)
 
 
 def test_the_grid_covers_fsdp2_chunked_loss_plans(plans: dict[str, PlanResult]) -> None:

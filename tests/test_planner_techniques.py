@@ -16,8 +16,8 @@ from memfit.api.loading import load_documents
 from memfit.api.plan import PlanCandidate
 from memfit.api.vocabulary import MasterWeights
 from memfit.cli.plan_table import print_plan_table
-from memfit.memory.activations import estimate_activations
 from memfit.memory.estimate import activation_setup, peak_memory, static_memory
+from memfit.memory.profiled_activations import model_activations
 from memfit.memory.setup import StaticSetup
 from memfit.planner.report import MIN_TECHNIQUE_GAIN
 from memfit.planner.search import lora_settings, plan_job
@@ -51,7 +51,9 @@ OLD_BEHAVIOUR = {"chunkedLoss": False, "activationOffloading": False, "masterWei
 def test_pinning_the_old_behaviour_reproduces_the_old_plans_exactly(row: tuple[object, ...]) -> None:
     preset, method, batch, sequence, summary, total, cpu = row
     spec = job(str(preset), str(method), batch=int(str(batch)), sequence=int(str(sequence)), strategy=OLD_BEHAVIOUR)
-    chosen = plan_job(spec, POOLS[f"{preset}/{method}"]).chosen
+    # Counted as they were then: by the family's formulas from the preset's typed sizes (presets are now
+    # planned from their profiles, whose activation terms are traced).
+    chosen = plan_job(spec, POOLS[f"{preset}/{method}"], model=spec.model.architecture.shape()).chosen
     assert chosen is not None
     assert (chosen.strategy.summary(), chosen.memory.per_gpu.total, chosen.memory.per_node.cpu) == (summary, total, cpu)
     assert chosen.techniques is None
@@ -69,10 +71,10 @@ def _without_techniques_fits(spec: FineTuneJobSpec, candidate: PlanCandidate, po
     """Whether the candidate's exact knobs, micro-batch included, fit without the techniques the planner added."""
     plain = dataclasses.replace(candidate.strategy, chunked_loss=False, activation_offloading=False,
                                 master_weights=MasterWeights.FP32)  # fmt: skip
-    shape = spec.model.architecture.shape()
+    shape = spec.planned_model()
     lora = lora_settings(spec, shape)
     setup = activation_setup(shape, plain, spec.training.sequence_length, lora)
-    memory = peak_memory(static_memory(shape, StaticSetup.of(plain), lora), estimate_activations(shape, setup),
+    memory = peak_memory(static_memory(shape, StaticSetup.of(plain), lora), model_activations(shape, setup),
                          plain.gradient_accumulation_steps)  # fmt: skip
     capacity = next(pool_capacity(p) for p in pools if p.metadata.name == plain.pool)
     limit = capacity.gpu_memory_bytes * (1 - spec.resources.memory_headroom_percent / 100)
@@ -128,14 +130,15 @@ def test_the_example_and_a_lion_job_plan_as_before_with_the_old_behaviour_pinned
     spec = load_documents(examples / "llama-3.1-8b-lora.yaml").jobs[0].spec
     spec = spec.model_copy(update={"strategy": spec.strategy.model_copy(update={
         "chunked_loss": False, "activation_offloading": False, "master_weights": MasterWeights.FP32})})  # fmt: skip
-    chosen = plan_job(spec, load_documents(examples / "inventory.yaml").pools).chosen
+    formulas = spec.model.architecture.shape()  # counted as then (see above)
+    chosen = plan_job(spec, load_documents(examples / "inventory.yaml").pools, model=formulas).chosen
     assert chosen is not None
     # commit 34641d0, plus the attention mask of packed batches (as BEFORE_THE_TECHNIQUES)
     before = ("full zero2 mb1x8 bf16 adamw on 1x8 a100-80gb", 69541301964, 154253983744)
     assert (chosen.strategy.summary(), chosen.memory.per_gpu.total, chosen.memory.per_node.cpu) == before
     lion = job("llama-2-13b", "full", batch=16, training={"globalBatchSize": 16, "optimizer": "lion"},
                strategy=OLD_BEHAVIOUR)  # fmt: skip
-    chosen = plan_job(lion, [A100_NODE, V100_NODE, ONE_A100, RTX_4090]).chosen
+    chosen = plan_job(lion, [A100_NODE, V100_NODE, ONE_A100, RTX_4090], model=lion.model.architecture.shape()).chosen
     assert chosen is not None
     before = ("full zero3 mb2x1 bf16 lion on 1x8 a100", 65032179059, 25769803776)  # commit 34641d0, plus the mask
     assert (chosen.strategy.summary(), chosen.memory.per_gpu.total, chosen.memory.per_node.cpu) == before

@@ -214,6 +214,7 @@ def test_the_table_names_what_the_plan_was_computed_from(tmp_path: Path, capsys:
     [
         ({"training": {"globalBatchSize": 16, "sequenceLength": 4096, "precision": "fp32"}}, "fp32"),
         ({"strategy": {"attention": "flash"}}, "strategy.attention flash"),
+        ({"strategy": {"attention": "eager"}}, "traced its activations with sdpa attention"),
     ],
 )
 def test_what_the_profile_cannot_estimate_is_refused_in_one_line(
@@ -279,6 +280,7 @@ def test_a_stored_profile_is_a_preset() -> None:
 
 
 def test_random_init_needs_typed_sizes() -> None:
+    """A preset that is only a stored profile has no typed sizes to build."""
     with pytest.raises(ValueError, match="randomInit builds the model from typed sizes"):
         FineTuneJobSpec.model_validate(
             {
@@ -287,6 +289,39 @@ def test_random_init_needs_typed_sizes() -> None:
                 "output": {"pvc": "o"},
             }  # fmt: skip
         )
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen2.5-7b", "gemma-2-9b", "mixtral-8x7b", "phi-3-mini"])
+def test_a_formula_familys_preset_is_planned_from_its_profile_unless_pinned_beyond_it(name: str) -> None:
+    """A preset of the six older families is planned from the profile of its stored config.json (generated from
+    its typed sizes: the same parameters); pinned fp32, or an attention kernel the profile did not trace, it is
+    counted by its family's formulas from the same typed sizes, and the plan says so."""
+    profiled_plan = plan_job(job(name, method="lora"), [A100_NODE])
+    assert profiled_plan.model_basis.startswith("profile of ") and profiled_plan.chosen is not None
+    assert profiled_plan.model_parameters == model_preset(name).parameter_count == STORED_TOTALS[name]
+    traced = profiled(name).default_attention
+    other = Attention.EAGER if traced == Attention.SDPA else Attention.SDPA
+    for pins in ({"training": {"globalBatchSize": 32, "sequenceLength": 2048, "precision": "fp32"}},
+                 {"strategy": {"attention": other.value}}):  # fmt: skip
+        typed = plan_job(job(name, method="lora", **pins), [A100_NODE])
+        assert typed.model_basis.startswith("typed sizes") and typed.model_parameters == STORED_TOTALS[name]
+
+
+def test_a_formula_familys_preset_trains_from_random_weights_as_profiled() -> None:
+    """randomInit builds the preset's typed sizes; the trainer config carries them and the profile's fields,
+    which the generated config.json states alike (the trainer checks the fields against what it builds)."""
+    from memfit.contract.model_match import fields_mismatch
+    from memfit_trainer.hf_config import transformers_config
+
+    spec = job(
+        "qwen2.5-0.5b",
+        method="full",
+        model={"name": "q", "randomInit": True, "architecture": {"preset": "qwen2.5-0.5b"}},
+    )
+    planned = spec.planned_model()
+    assert isinstance(planned, ProfiledModel)
+    built = transformers_config(model_preset("qwen2.5-0.5b")).to_dict()
+    assert fields_mismatch(planned.planned_fields(), built, "q") is None
 
 
 def test_without_a_profile_or_sizes_the_planner_says_how_to_get_one() -> None:

@@ -27,6 +27,7 @@ from memfit.api.base import (
 from memfit.api.knobs import Knobs, knobs_of
 from memfit.api.knobs import conflicts as knob_conflicts
 from memfit.api.plan import PlanCandidate
+from memfit.api.techniques import TECHNIQUES
 from memfit.api.vocabulary import (
     ALL_LINEAR,
     Attention,
@@ -88,9 +89,10 @@ class Architecture(ApiModel):
     """The model's shape: a built-in `preset`, or the explicit sizes from its config.json."""
 
     preset: Annotated[str, Strict(), Field(min_length=1, max_length=128)] | None = None
-    """A built-in model, e.g. llama-3.1-8b, qwen2.5-7b, mistral-7b-v0.3, gemma-2-9b, phi-3-mini (counted by
-    memfit's family formulas), or qwen3-8b, gemma-4-31b, gpt-oss-20b (planned from the stored profile of their
-    config.json); `memfit presets` lists them. Leave empty to give the sizes instead."""
+    """A built-in model, e.g. llama-3.1-8b, qwen2.5-7b, gemma-2-9b, qwen3-8b, gemma-4-31b, gpt-oss-20b, each
+    planned from the stored profile of its config.json (the six older families' presets also have typed sizes,
+    which randomInit builds and memfit's formulas count where the job pins fp32 or another attention kernel
+    than the profile traced); `memfit presets` lists them. Leave empty to give the sizes instead."""
     family: ModelFamily = ModelFamily.LLAMA
     """Architecture family (the `model_type` in config.json): decides module names and layout."""
     hidden_size: Annotated[int, Strict(), Field(ge=1, le=MAX_HIDDEN_SIZE)] | None = None
@@ -143,25 +145,20 @@ class Architecture(ApiModel):
         return self
 
     @property
-    def profiled_preset(self) -> str | None:
-        """The preset's name when memfit plans it from a stored profile (no typed shape), else None."""
-        if self.preset is None or self.preset.lower() in MODEL_PRESETS:
-            return None
-        return self.preset.lower()
+    def typed(self) -> bool:
+        """Whether memfit has the model's sizes typed (the sizes given, or a preset of the formula families):
+        what ``randomInit`` builds, and what the formulas count where a profile cannot."""
+        return self.preset is None or self.preset.lower() in MODEL_PRESETS
 
     def planned(self) -> PlannedModel:
-        """The model the planner works on: a stored profile's, or the typed shape."""
-        name = self.profiled_preset
-        if name is None:
-            return self.shape()
-        model = stored_profiled_model(name)
-        assert model is not None  # the validator accepts only stored profiles' names
-        return model
+        """The model the planner works on: a preset's stored profile, or the typed sizes."""
+        model = stored_profiled_model(self.preset.lower()) if self.preset is not None else None
+        return model if model is not None else self.shape()
 
     def shape(self) -> ModelShape:
-        """The typed shape the family formulas work on (a preset planned from a profile has none)."""
-        if self.profiled_preset is not None:
-            raise ValueError(f"preset {self.profiled_preset} is planned from its profile: it has no typed shape")
+        """The typed shape the family formulas work on (a preset that is only a stored profile has none)."""
+        if not self.typed:
+            raise ValueError(f"preset {self.preset} is planned from its profile: it has no typed sizes")
         if self.preset is not None:
             return model_preset(self.preset)
         assert self.hidden_size and self.intermediate_size and self.num_layers and self.num_attention_heads
@@ -189,10 +186,10 @@ class ModelSpec(ApiModel):
     source: Source | None = None
     """Where the weights come from. Empty: the Hub, anonymously."""
     architecture: Architecture | None = None
-    """The model's sizes (a preset, or sizes copied from its config.json), counted by memfit's formulas for
-    six families. Leave it out to plan the model from its own config.json and code (a profile: `memfit
-    plan --mount`; in the cluster the operator profiles it in a short CPU-only pod and keeps the profile in a
-    ConfigMap for every job of the model); required with `randomInit`."""
+    """The model: a preset (planned from its stored profile), or sizes copied from its config.json (counted by
+    memfit's formulas for six families). Leave it out to plan the model from its own config.json and code (a
+    profile: `memfit plan --mount`; in the cluster the operator profiles it in a short CPU-only pod and keeps
+    the profile in a ConfigMap for every job of the model); required with `randomInit`."""
     random_init: StrictBool = False
     """Build the architecture with random weights instead of loading any (smoke tests of a cluster or
     a pipeline; nothing is downloaded)."""
@@ -215,7 +212,7 @@ class ModelSpec(ApiModel):
 
     @model_validator(mode="after")
     def _random_init_needs_sizes(self) -> ModelSpec:
-        if self.random_init and (self.architecture is None or self.architecture.profiled_preset is not None):
+        if self.random_init and (self.architecture is None or not self.architecture.typed):
             raise ValueError("randomInit builds the model from typed sizes: give a formula preset or the sizes")
         return self
 
@@ -432,9 +429,32 @@ class FineTuneJobSpec(ApiModel):
         if architecture is None:
             return
         dropout = None if self.method is Method.FULL else self.lora.dropout
-        problem = adapter_problem(architecture.planned(), tuple(self.lora.target_modules), dropout)
+        problem = adapter_problem(self.planned_model(), tuple(self.lora.target_modules), dropout)
         if problem is not None:
             raise ValueError(problem)
+
+    def planned_model(self, profiled: PlannedModel | None = None) -> PlannedModel:
+        """The model this job is planned and rendered for (``ModelSpec.planned``). A preset that also has typed
+        sizes is counted by its family's formulas where the job asks what its stored profile cannot estimate
+        (fp32, another attention kernel than the traced one, LoRA targets it did not resolve); the plan's
+        ``modelBasis`` then says typed sizes."""
+        model = self.model.planned(profiled)
+        architecture = self.model.architecture
+        typed_preset = architecture is not None and architecture.preset is not None and architecture.typed
+        if profiled is None and typed_preset and self.profile_problem(model) is not None:
+            assert architecture is not None  # typed_preset
+            return architecture.shape()
+        return model
+
+    def profile_problem(self, model: PlannedModel) -> str | None:
+        """Why ``model`` cannot plan this job's pinned precision, attention kernel, techniques or LoRA targets."""
+        precision = Precision.BF16 if self.training.precision is Precision.AUTO else self.training.precision
+        pinned = frozenset(t.knob for t in TECHNIQUES if getattr(self.strategy, t.knob))
+        problem = model.unplannable(precision, self.strategy.attention, pinned)
+        if problem is None:
+            dropout = None if self.method is Method.FULL else self.lora.dropout
+            problem = adapter_problem(model, tuple(self.lora.target_modules), dropout)
+        return problem
 
     def knobs(self) -> Knobs:
         """What the spec decides: the strategy section's pins, the method, precision and optimizer (auto decides

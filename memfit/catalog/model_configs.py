@@ -1,8 +1,9 @@
-"""The config.json files memfit ships for models its presets do not cover (see configs/README.md).
+"""The config.json files memfit ships: the models people fine-tune, and one per preset of the formula families
+(see configs/README.md).
 
 ``memfit profile qwen3-8b`` profiles the stored file by name; a path profiles any other model. Their profiles
 are stored too (``profiles/``): a job whose model directory holds one of these configs, or that names one as
-its ``preset``, is planned without profiling anything.
+its ``preset``, is planned from the stored profile without profiling anything.
 """
 
 from __future__ import annotations

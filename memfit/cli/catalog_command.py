@@ -1,4 +1,4 @@
-"""``memfit presets``: what ``architecture.preset`` (formula presets and profiled ones) and ``gpuProduct`` accept."""
+"""``memfit presets``: what ``architecture.preset`` (each planned from its stored profile) and ``gpuProduct`` accept."""
 
 from __future__ import annotations
 
@@ -13,10 +13,14 @@ from memfit.profiled_model import ProfiledModel
 
 
 def profiled_presets() -> Table:
-    """The stored configs' profiles: presets planned from the model's own code."""
-    table = Table(title="Profiled presets (architecture.preset, planned from a stored profile)", title_justify="left")
-    for column in ("preset", "model_type", "parameters", "active", "layers", "LoRA"):
-        table.add_column(column, justify="right" if column in ("parameters", "active") else "left")
+    """The stored configs' profiles: presets planned from the model's own code. "typed": the preset also
+    has its sizes typed (randomInit builds them; the family's formulas plan what the profile cannot, fp32 or
+    another attention kernel)."""
+    table = Table(title="Model presets (architecture.preset, planned from a stored profile)", title_justify="left")
+    for column in ("preset", "model_type", "parameters", "active", "layers", "LoRA", "typed"):
+        # The names stay whole on a narrow terminal: the layer pattern wraps instead.
+        table.add_column(column, justify="right" if column in ("parameters", "active") else "left",
+                         no_wrap=column == "preset")  # fmt: skip
     for name in stored_profile_names():
         profile = stored_profile(name)
         assert profile is not None  # listed because it is stored
@@ -25,7 +29,8 @@ def profiled_presets() -> Table:
         layers = " + ".join(f"{count} {kind.removesuffix('_attention')}" for kind, count in kinds.items())
         lora = "no (a step with peft's adapters fails)" if model.method_problem(Method.LORA) else "yes"
         active = f"{model.active_parameters_per_token / 1e9:.2f}B" if profile.experts else "-"
-        table.add_row(name, profile.model_type, f"{model.parameter_count / 1e9:.2f}B", active, layers, lora)
+        typed = "yes" if name in MODEL_PRESETS else "-"
+        table.add_row(name, profile.model_type, f"{model.parameter_count / 1e9:.2f}B", active, layers, lora, typed)
     return table
 
 
@@ -34,14 +39,6 @@ def print_catalog(console: Console | None = None, profiles_only: bool = False) -
     if profiles_only:
         console.print(profiled_presets())
         return
-    models = Table(title="Model presets (architecture.preset)", title_justify="left")
-    for column in ("preset", "family", "parameters", "layers", "hidden", "heads/kv", "vocab"):
-        models.add_column(column, justify="left" if column in ("preset", "family") else "right")
-    for name, shape in MODEL_PRESETS.items():
-        models.add_row(name, shape.family.value, f"{shape.parameter_count / 1e9:.2f}B", str(shape.num_layers),
-                       str(shape.hidden_size), f"{shape.num_attention_heads}/{shape.num_key_value_heads}",
-                       f"{shape.vocab_size:,}")  # fmt: skip
-    console.print(models)
     console.print(profiled_presets())
     gpus = Table(title="GPU products (GPUPool gpuProduct)", title_justify="left")
     for column in ("product", "GiB", "bf16 TFLOPS", "fp16 TFLOPS"):

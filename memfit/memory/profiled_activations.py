@@ -40,8 +40,12 @@ from memfit.profiled_model import ProfiledModel
 
 
 def _rows(term: ActivationTerm, tokens: int, rows: int) -> int:
-    """The term for ``rows`` rows of ``tokens`` tokens (traced on one row)."""
-    constant = round(term.constant) if term.exact else 0
+    """The term for ``rows`` rows of ``tokens`` tokens (traced on one row). A term no form reproduces is read
+    at the micro-batch's tokens together: the only ones the traces leave so are the loss's, which flattens the
+    micro-batch (for a term of one row's attention this over-counts, never under)."""
+    if not term.exact:
+        return term.bytes(rows * tokens)
+    constant = round(term.constant)
     return rows * (term.bytes(tokens) - constant) + constant
 
 

@@ -36,7 +36,7 @@ class Miss:
 
 def ranked(fits: list[Fit]) -> list[Fit]:
     """The plans worth reporting, in the planner's order: the method that changes the model least, then the
-    fastest."""
+    fastest, then the one with the most room."""
     return sorted(_worth_their_cost(fits), key=_preference)
 
 
@@ -56,8 +56,9 @@ def _worth_their_cost(fits: list[Fit]) -> list[Fit]:
     ]
 
 
-def _preference(fit: Fit) -> tuple[int, float]:
-    return METHOD_PREFERENCE.index(fit.evaluated.template.method), -fit.tokens_per_second
+def _preference(fit: Fit) -> tuple[int, float, float]:
+    """The method first, then the speed; of equally fast plans, the one that leaves the most room."""
+    return METHOD_PREFERENCE.index(fit.evaluated.template.method), -fit.tokens_per_second, fit.evaluated.miss_ratio
 
 
 def reported(ranked: list[Fit]) -> list[Fit]:

@@ -52,7 +52,7 @@ from memfit.memory.activations import ActivationEstimate, ActivationSetup
 from memfit.memory.estimate import StaticMemory, activation_setup, static_memory, step_total
 from memfit.memory.profiled_activations import model_activations
 from memfit.memory.setup import LoraSettings, StaticSetup
-from memfit.planned_model import PlannedModel, adapter_problem, lora_dropout
+from memfit.planned_model import PlannedModel, lora_dropout
 from memfit.planner.advice import Untried, advise
 from memfit.planner.evaluated import Chosen, Evaluated, Fit, shortfall_ratio
 from memfit.planner.layouts import layouts
@@ -211,15 +211,10 @@ def planned_model(spec: FineTuneJobSpec, model: PlannedModel | None) -> PlannedM
     """``model`` (a profile's) if given, else the typed sizes; PlanningError when the job gives neither, or pins
     what the model's description cannot estimate, or LoRA targets peft cannot build on it."""
     try:
-        model = spec.model.planned(model)
+        model = spec.planned_model(model)
     except ValueError as error:
         raise PlanningError(str(error)) from None
-    pinned = frozenset(technique.knob for technique in TECHNIQUES if getattr(spec.strategy, technique.knob))
-    precision = Precision.BF16 if spec.training.precision is Precision.AUTO else spec.training.precision
-    problem = model.unplannable(precision, spec.strategy.attention, pinned)
-    if problem is None:
-        dropout = None if spec.method is Method.FULL else spec.lora.dropout
-        problem = adapter_problem(model, tuple(spec.lora.target_modules), dropout)
+    problem = spec.profile_problem(model)
     if problem is not None:
         raise PlanningError(problem)
     return model
@@ -291,7 +286,7 @@ def _lighter(search: _Search, capacities: list[PoolCapacity]) -> dict[str, PlanC
                 _search_pool(alternative, capacity, method)
         search.untried |= alternative.untried
         if alternative.fits:
-            lighter[method] = to_candidate(search.shape, max(alternative.fits, key=lambda fit: fit.tokens_per_second))
+            lighter[method] = to_candidate(search.shape, ranked(alternative.fits)[0])  # as if it were pinned
         elif alternative.nearest_misses:
             nearest = nearest_first(list(alternative.nearest_misses.values()))[0]
             lighter[method] = to_miss(search.shape, search.sequence_length, nearest).candidate

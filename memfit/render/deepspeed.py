@@ -51,7 +51,7 @@ def deepspeed_config(spec: FineTuneJobSpec, strategy: Strategy, model: PlannedMo
     conflicts = knob_conflicts(strategy.knobs())
     if conflicts:
         raise ValueError(f"strategy {strategy.summary()!r} cannot run as planned: " + "; ".join(conflicts))
-    shape = spec.model.planned(model)
+    shape = spec.planned_model(model)
     training = spec.training
     config: dict[str, Any] = {
         "train_batch_size": training.global_batch_size,

@@ -89,7 +89,7 @@ def model_config(
     return ModelConfig(
         name_or_path=name_or_path,
         random_init=model.random_init,
-        architecture=typed.shape() if typed is not None and typed.profiled_preset is None else None,
+        architecture=typed.shape() if typed is not None and typed.typed else None,
         planned_fields=planned_fields,
         tokenizer=tokenizer,
     )
@@ -131,7 +131,7 @@ def render_trainer_config(
     """The trainer's config for running ``plan``; ``planned``: the profiled model the plan was made for;
     ``devices``: what the plan's pool computes on (the trainer checks it sees them)."""
     spec, strategy = job.spec, plan.strategy
-    planned = spec.model.planned(planned)
+    planned = spec.planned_model(planned)
     model = model_config(spec.model, mounts.model, planned.planned_fields())
     model_volume = mounts.model if _on_claim(spec.model) else None
     training = spec.training

@@ -13,8 +13,8 @@ import yaml
 from memfit.api.finetunejob import FineTuneJob
 from memfit.api.loading import load_documents
 from memfit.contract.engines import DeepSpeedEngineSection
-from memfit.memory.activations import estimate_activations
 from memfit.memory.estimate import activation_setup, peak_memory, static_memory
+from memfit.memory.profiled_activations import model_activations
 from memfit.memory.setup import StaticSetup
 from memfit.planner.search import lora_settings, plan_job
 from memfit.render.trainer_config import render_trainer_config
@@ -262,13 +262,13 @@ def test_offloaded_activations_are_in_the_pods_memory_request(job) -> None:  # t
     strategy = plan.strategy
     assert strategy.activation_offloading
     spec = job_.spec
-    shape = spec.model.architecture.shape()
+    shape = spec.planned_model()
     lora = lora_settings(spec, shape)
     sequence = spec.training.sequence_length
-    host = estimate_activations(shape, activation_setup(shape, strategy, sequence, lora)).host_bytes
+    host = model_activations(shape, activation_setup(shape, strategy, sequence, lora)).host_bytes
     assert host > 0
     without = dataclasses.replace(strategy, activation_offloading=False)
-    activations = estimate_activations(shape, activation_setup(shape, without, sequence, lora))
+    activations = model_activations(shape, activation_setup(shape, without, sequence, lora))
     cpu_without = peak_memory(static_memory(shape, StaticSetup.of(without), lora), activations, 1).per_node.cpu
     assert plan.memory.per_node.cpu == cpu_without + strategy.gpus_per_node * host  # every rank's inputs
     container = objects.trainer_pod(job_, plan, pool, 1, 0, IMAGE)["spec"]["containers"][0]
