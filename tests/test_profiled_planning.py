@@ -380,3 +380,22 @@ def test_the_planner_chooses_the_chunked_loss_for_a_profiled_model_where_it_buys
     assert without.chosen is None and pinned.chosen is not None and searched.chosen is not None
     assert searched.chosen.strategy.chunked_loss
     assert searched.chosen.memory.per_gpu.total == pinned.chosen.memory.per_gpu.total
+
+
+def test_a_term_no_form_reproduces_is_read_off_its_traced_counts() -> None:
+    """The chunked loss's backward is the largest of several moments, each linear once a chunk of logits is
+    full: no one form reproduces Llama 3.1 8B's. It is read off its traced counts (exact there), joined by
+    straight lines and continued at the last one's slope, never below the first; the three-point quadratic it
+    was once read from went negative past about 16K tokens."""
+    term = profiled("llama-3.1-8b").activations.full.chunked_loss
+    assert term is not None and not term.loss_backward.exact
+    backward = term.loss_backward
+    counts = sorted(backward.measured)
+    assert all(backward.bytes(tokens) == traced for tokens, traced in counts)
+    longer = [backward.bytes(tokens) for tokens in (128, 1000, 3000, 8192, 16384, 65536, 131072)]
+    assert longer == sorted(longer) and longer[0] == counts[0][1]
+    (before, before_bytes), (last, last_bytes) = counts[-2:]
+    assert backward.bytes(2 * last - before) == 2 * last_bytes - before_bytes
+    setup = ActivationSetup(Method.FULL, Precision.BF16, True, 8, 32768, Attention.SDPA, chunked_loss=True)
+    activations = model_activations(profiled("llama-3.1-8b"), setup)
+    assert activations.loss_moment > activations.kept_between_layers * 32  # every layer's input, and more
