@@ -148,6 +148,39 @@ def test_a_deleted_trainer_pod_restarts_the_gang_from_its_last_checkpoint(volume
     assert done["progress"]["step"] == 1000
 
 
+LEAK_BLOCK_MIB = 64
+
+
+def test_a_container_over_its_memory_limit_is_oom_killed_and_the_job_replans_and_resumes(
+    volumes: dict[str, Path],
+) -> None:
+    """A container that exceeds its memory limit as a leak would: a process in rank 1's container fills the
+    pod's memory-backed /dev/shm, which the kernel charges to the container, until the OOM killer ends the
+    trainer there (its largest process); the kubelet reports OOMKilled, and the operator re-plans leaner,
+    excluding the plan that ran out, and resumes from the last checkpoint."""
+    name = "oom"
+    apply([example_job("tiny", name, maxSteps=1000, checkpointEverySteps=50)])
+    checkpointed = wait_for(
+        "a first checkpoint",
+        lambda: (status(name).get("progress") or {}).get("lastCheckpointStep"),
+        TRAIN_SECONDS,
+        lambda: describe(name),
+    )
+    planned = status(name)["plan"]["strategy"]
+    [victim] = [p["metadata"]["name"] for p in pods_of(name) if p["metadata"]["labels"]["memfit.dev/node-rank"] == "1"]
+    leak = f"i=0; while head -c {LEAK_BLOCK_MIB * 2**20} /dev/zero > /dev/shm/leak-$i; do i=$((i+1)); done"
+    kubectl("exec", victim, "-n", NAMESPACE, "-c", "trainer", "--", "sh", "-c", leak, check=False)
+    done = wait_until_done(name)
+    first, second = done["attempts"]
+    assert first["outcome"] == "OutOfMemory" and second["outcome"] == "Succeeded", done["attempts"]
+    assert done["replans"] == 1 and len(done["excludedStrategies"]) == 1
+    assert done["plan"]["strategy"] != planned  # a leaner plan
+    assert second["resumedFromStep"] >= checkpointed  # from its newest checkpoint, not from step 0
+    assert done["progress"]["step"] == 1000
+    reasons = [line.split()[0] for line in warnings(name).splitlines()[1:] if line.strip()]
+    assert "OutOfMemory" in reasons, warnings(name)
+
+
 def test_suspend_resume_and_delete_with_real_pods(volumes: dict[str, Path]) -> None:
     name = "lifecycle"
     apply([example_job("tiny", name, maxSteps=5000, checkpointEverySteps=50)])  # deleted long before its end
