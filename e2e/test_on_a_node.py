@@ -128,17 +128,23 @@ def test_a_lora_job(volumes: dict[str, Path]) -> None:
     assert any((volumes["output"] / name / "final").glob("adapter_model.safetensors"))
 
 
-def test_a_deleted_trainer_pod_restarts_the_gang_from_its_last_checkpoint(volumes: dict[str, Path]) -> None:
-    name = "restart"
-    # Minutes of steps: the operator reads progress every 15 s, and the pod is deleted after a checkpoint it read.
+def checkpointed_gang(name: str) -> tuple[int, str]:
+    """A tiny job of minutes of steps (the operator reads progress every 15 s) past its first checkpoint, as
+    the operator read it: that step, and the name of its rank-1 pod (the one a fault hits)."""
     apply([example_job("tiny", name, maxSteps=1000, checkpointEverySteps=50)])
-    checkpointed = wait_for(
+    checkpointed: int = wait_for(
         "a first checkpoint",
         lambda: (status(name).get("progress") or {}).get("lastCheckpointStep"),
         TRAIN_SECONDS,
         lambda: describe(name),
     )
     [victim] = [p["metadata"]["name"] for p in pods_of(name) if p["metadata"]["labels"]["memfit.dev/node-rank"] == "1"]
+    return checkpointed, victim
+
+
+def test_a_deleted_trainer_pod_restarts_the_gang_from_its_last_checkpoint(volumes: dict[str, Path]) -> None:
+    name = "restart"
+    checkpointed, victim = checkpointed_gang(name)
     kubectl("delete", "pod", victim, "-n", NAMESPACE, "--wait=false")
     done = wait_until_done(name)
     assert done["restarts"] == 1
@@ -159,15 +165,8 @@ def test_a_container_over_its_memory_limit_is_oom_killed_and_the_job_replans_and
     trainer there (its largest process); the kubelet reports OOMKilled, and the operator re-plans leaner,
     excluding the plan that ran out, and resumes from the last checkpoint."""
     name = "oom"
-    apply([example_job("tiny", name, maxSteps=1000, checkpointEverySteps=50)])
-    checkpointed = wait_for(
-        "a first checkpoint",
-        lambda: (status(name).get("progress") or {}).get("lastCheckpointStep"),
-        TRAIN_SECONDS,
-        lambda: describe(name),
-    )
+    checkpointed, victim = checkpointed_gang(name)
     planned = status(name)["plan"]["strategy"]
-    [victim] = [p["metadata"]["name"] for p in pods_of(name) if p["metadata"]["labels"]["memfit.dev/node-rank"] == "1"]
     leak = f"i=0; while head -c {LEAK_BLOCK_MIB * 2**20} /dev/zero > /dev/shm/leak-$i; do i=$((i+1)); done"
     kubectl("exec", victim, "-n", NAMESPACE, "-c", "trainer", "--", "sh", "-c", leak, check=False)
     done = wait_until_done(name)
