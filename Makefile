@@ -32,8 +32,9 @@ tools:
 	@command -v promtool >/dev/null || { $(SUDO) apt-get update -qq && \
 		$(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
+# --durations: CI's log says where its minutes go (the suite must leave `make e2e` room in CI's 60).
 test: setup tools
-	KUBEBUILDER_ASSETS="$${KUBEBUILDER_ASSETS:-$$($(ENVTEST))}" OMP_NUM_THREADS=1 $(PY) -m pytest
+	KUBEBUILDER_ASSETS="$${KUBEBUILDER_ASSETS:-$$($(ENVTEST))}" OMP_NUM_THREADS=1 $(PY) -m pytest --durations=30
 
 # The inner loop: no API server, no torchrun, nothing over ~2 s (the markers are in pyproject.toml); under a
 # minute on 2 cores. promtool is still needed (tests/monitoring, tests/trainer/test_metrics.py).
