@@ -133,6 +133,64 @@ def test_bad_input_exits_2_with_one_clear_line(case: str, capsys: pytest.Capture
     assert "Traceback" not in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("name", "My_Job", "metadata.name: 'My_Job' is not a valid object name"),
+        ("name", "spaces in it", "is not a valid object name"),
+        ("name", "-leading", "is not a valid object name"),
+        ("name", "trailing-", "is not a valid object name"),
+        ("name", "ünïcode", "is not a valid object name"),
+        ("name", "a" * 254, "at most 253"),
+        ("namespace", "Research", "metadata.namespace: 'Research' is not a valid namespace"),
+        ("namespace", "a.b", "is not a valid namespace"),
+        ("namespace", "a" * 64, "at most 63"),
+    ],
+)
+def test_names_the_api_server_would_refuse_exit_2_naming_the_field(
+    field: str, value: str, expected: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    job = yaml.safe_load(JOB.read_text())
+    job["metadata"][field] = value
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    code, out, err = run(capsys, path, "-i", INVENTORY)
+    assert code == 2 and out == "" and expected in err and err.count("\n") == 1, err
+
+
+def test_a_name_the_api_server_takes_is_taken(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    job = yaml.safe_load(JOB.read_text())
+    job["metadata"].update(name="chat.v2-" + "a" * 200, namespace="team-" + "b" * 50)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    assert run(capsys, path, "-i", INVENTORY)[0] == 0
+
+
+@pytest.mark.parametrize("kind", ["pool", "job"])
+def test_one_name_declared_twice_exits_2_naming_both_places(
+    kind: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Applied, the second would replace the first: memfit says so instead of planning one of them."""
+    source = INVENTORY if kind == "pool" else JOB
+    twice = tmp_path / "twice.yaml"
+    twice.write_text(source.read_text() + "\n---\n" + source.read_text())
+    args = (JOB, "-i", twice) if kind == "pool" else (twice, "-i", INVENTORY)
+    code, out, err = run(capsys, *args)
+    assert code == 2 and out == "" and "is declared twice (first in" in err and err.count("\n") == 1, err
+    assert "(document 1)" in err
+
+
+def test_an_ambiguous_gpu_product_is_refused_naming_the_cards(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """`A100` is sold with 40 and 80 GB: memfit does not plan for the smaller card without a word."""
+    inventory = tmp_path / "pools.yaml"
+    inventory.write_text(INVENTORY.read_text().replace("NVIDIA-A100-SXM4-80GB", "A100"))
+    code, out, err = run(capsys, JOB, "-i", inventory)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "'A100' names several cards" in err and "NVIDIA-A100-SXM4-80GB (80 GiB)" in err
+
+
 def test_unknown_gpu_product_names_the_field(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     inventory = tmp_path / "pools.yaml"
     inventory.write_text(INVENTORY.read_text().replace("NVIDIA-L4", "NVIDIA-Q9000"))
@@ -222,10 +280,8 @@ def test_an_error_prints_names_literally(capsys: pytest.CaptureFixture[str], tmp
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     code, _, err = run(capsys, path, "-i", INVENTORY)
-    assert (
-        code == 2
-        and "FineTuneJob '[/]\\x1b[2J': spec.training.globalBatchSize: Input should be a valid integer, got '64'" in err
-    )
+    assert code == 2 and "FineTuneJob '[/]\\x1b[2J': metadata.name: '[/]\\x1b[2J' is not a valid object name" in err
+    assert "; spec.training.globalBatchSize: Input should be a valid integer, got '64'" in err
 
 
 def test_emit_ds_config_says_an_fsdp2_plan_has_none(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from memfit.catalog.gpus import GPU_ALIASES, GPU_PRODUCTS, GPUProduct, gpu_product, unknown_product
+from memfit.catalog.gpus import GPU_ALIASES, GPU_PRODUCTS, AmbiguousProduct, GPUProduct, gpu_product, unknown_product
 
 REQUIRED = [
     "NVIDIA-A100-SXM4-40GB",
@@ -63,7 +63,7 @@ def test_frozen() -> None:
 def test_bf16_by_generation() -> None:
     assert not gpu_product("t4").bf16
     assert not gpu_product("v100-32gb").bf16
-    for name in ("a100", "a10g", "l4", "h100", "b200", "rtx-3090", "rtx-4090"):
+    for name in ("a100-80gb", "a10g", "l4", "h100", "b200", "rtx-3090", "rtx-4090"):
         assert gpu_product(name).bf16, name
 
 
@@ -78,7 +78,7 @@ def test_memory_as_driver_reports_it() -> None:
 def test_dense_not_sparse() -> None:
     # The datasheet headline for H100 SXM is 1,979 TFLOPS *with sparsity*; the table holds half.
     assert gpu_product("h100").peak_tflops_bf16 == pytest.approx(989.4, abs=1)
-    assert gpu_product("a100").peak_tflops_bf16 == 312.0
+    assert gpu_product("a100-40gb").peak_tflops_bf16 == 312.0
     assert gpu_product("l4").peak_tflops_bf16 == 121.0
 
 
@@ -149,3 +149,10 @@ def test_is_dataclass_with_expected_fields() -> None:
         "intra_node_gbps",
         "pcie_gbps",
     ]
+
+
+@pytest.mark.parametrize("alias", ["A100", "a100", "V100", " v100 "])
+def test_a_short_name_sold_in_several_sizes_is_refused_not_read_as_the_smaller_card(alias: str) -> None:
+    with pytest.raises(AmbiguousProduct, match="names several cards") as refused:
+        gpu_product(alias)
+    assert "80 GiB" in str(refused.value) or "32 GiB" in str(refused.value)

@@ -6,11 +6,12 @@ so they are written for the person reading them there.
 
 from __future__ import annotations
 
+import re
 import reprlib
 from pathlib import PurePosixPath
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, Strict, model_validator
+from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 GROUP: Final = "memfit.dev"
 VERSION: Final = "v1alpha1"
@@ -41,6 +42,8 @@ MAX_TOLERATION_SECONDS: Final = 10 * 365 * 24 * 3600
 """Ten years."""
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 """An RFC 1123 subdomain, as Kubernetes names PersistentVolumeClaims and Secrets (at most 253 characters)."""
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+"""An RFC 1123 label, as Kubernetes names namespaces (at most 63 characters)."""
 SECRET_KEY = r"^[-._a-zA-Z0-9]+$"
 """A key of a Secret's data."""
 MAX_PATH_LENGTH: Final = 4096
@@ -224,9 +227,30 @@ class ObjectMeta(ApiModel):
     model_config = ConfigDict(extra="allow")
 
     name: NonEmptyStr
-    """Object name."""
+    """Object name: a DNS-1123 subdomain, as the API server requires of a custom resource's name."""
     namespace: StrictStr | None = None
-    """Namespace (FineTuneJobs are namespaced; GPUPools are cluster-scoped)."""
+    """Namespace (FineTuneJobs are namespaced; GPUPools are cluster-scoped): a DNS-1123 label."""
+
+    @field_validator("name")
+    @classmethod
+    def _subdomain(cls, name: str) -> str:
+        if len(name) > 253 or not re.fullmatch(DNS_SUBDOMAIN, name):
+            raise ValueError(
+                f"{shown(name)} is not a valid object name: the API server takes at most 253 lower-case letters, "
+                "digits, '-' and '.', beginning and ending with a letter or digit"
+            )
+        return name
+
+    @field_validator("namespace")
+    @classmethod
+    def _label(cls, namespace: str | None) -> str | None:
+        if namespace is not None and (len(namespace) > 63 or not re.fullmatch(DNS_LABEL, namespace)):
+            raise ValueError(
+                f"{shown(namespace)} is not a valid namespace: the API server takes at most 63 lower-case "
+                "letters, digits and '-', beginning and ending with a letter or digit"
+            )
+        return namespace
+
     labels: dict[StrictStr, StrictStr] = Field(default_factory=dict)
     """Labels."""
     annotations: dict[StrictStr, StrictStr] = Field(default_factory=dict)

@@ -294,8 +294,10 @@ def _documents(text: str) -> Iterator[Any]:
 
 
 def load_documents(*paths: Path) -> Documents:
-    """All FineTuneJobs and GPUPools in the files; empty documents are skipped."""
+    """All FineTuneJobs and GPUPools in the files; empty documents are skipped. Two objects of one kind with one
+    name (and namespace) are refused, as the cluster would keep only the last one applied."""
     found = Documents()
+    declared: dict[tuple[str, str, str], str] = {}
     for path in paths:
         where = escaped(str(path))
         text = _text(path, where)
@@ -306,10 +308,27 @@ def load_documents(*paths: Path) -> Documents:
                     raise InputError(f"{where}: more than {MAX_DOCUMENTS} documents")
                 if document is None:
                     continue
-                parsed = parse_object(document, f"{where} (document {index})")
+                origin = f"{where} (document {index})"
+                parsed = parse_object(document, origin)
+                _declared_once(declared, parsed, origin)
                 (found.jobs if isinstance(parsed, FineTuneJob) else found.pools).append(parsed)  # type: ignore[arg-type]
         except yaml.YAMLError as error:
             raise InputError(f"{where}: not valid YAML: {_message(_yaml_problem(error, text))}") from None
         except RecursionError:  # a guard behind MAX_DEPTH
             raise InputError(f"{where} (document {index + 1}): nested too deep") from None
     return found
+
+
+def _declared_once(declared: dict[tuple[str, str, str], str], parsed: FineTuneJob | GPUPool, origin: str) -> None:
+    """InputError when an object of ``parsed``'s kind, name and namespace was declared before (at ``declared``)."""
+    kind = type(parsed).__name__
+    meta = parsed.metadata
+    namespace = (meta.namespace or "default") if isinstance(parsed, FineTuneJob) else ""
+    key = (kind, namespace, meta.name)
+    if key in declared:
+        place = f" in namespace {escaped(namespace)}" if namespace else ""
+        raise InputError(
+            f"{origin}: {kind} {shown(meta.name)}{place} is declared twice (first in {declared[key]}); "
+            "the cluster would keep only the last one applied: rename one"
+        )
+    declared[key] = origin

@@ -137,7 +137,6 @@ GPU_PRODUCTS: dict[str, GPUProduct] = {p.product: p for p in _PRODUCTS}
 GPU_ALIASES: dict[str, str] = {
     # Short names. Where a short name is ambiguous the smaller-memory or more common part wins, as in
     # SkyPilot's naming ("A100" is the 40GB part, "A100-80GB" the 80GB one); say the full label to be exact.
-    "a100": "NVIDIA-A100-SXM4-40GB",
     "a100-40gb": "NVIDIA-A100-SXM4-40GB",
     "a100-80gb": "NVIDIA-A100-SXM4-80GB",
     "a100-sxm4-40gb": "NVIDIA-A100-SXM4-40GB",
@@ -172,7 +171,6 @@ GPU_ALIASES: dict[str, str] = {
     "rtx4090": "NVIDIA-GeForce-RTX-4090",
     "4090": "NVIDIA-GeForce-RTX-4090",
     "t4": "Tesla-T4",
-    "v100": "Tesla-V100-SXM2-16GB",
     "v100-16gb": "Tesla-V100-SXM2-16GB",
     "v100-32gb": "Tesla-V100-SXM2-32GB",
     # GKE ``cloud.google.com/gke-accelerator`` values.
@@ -185,6 +183,17 @@ GPU_ALIASES: dict[str, str] = {
     "nvidia-h100-mega-80gb": "NVIDIA-H100-80GB-HBM3",
 }
 """Lower-case alias -> GFD product label."""
+
+AMBIGUOUS_ALIASES: dict[str, tuple[str, ...]] = {
+    "a100": ("NVIDIA-A100-SXM4-40GB", "NVIDIA-A100-SXM4-80GB", "NVIDIA-A100-PCIE-40GB", "NVIDIA-A100-80GB-PCIe"),
+    "v100": ("Tesla-V100-SXM2-16GB", "Tesla-V100-SXM2-32GB"),
+}
+"""Short names sold with more than one memory size: never read as the smaller card."""
+
+
+class AmbiguousProduct(ValueError):
+    """A short name that names several products (``AMBIGUOUS_ALIASES``)."""
+
 
 _BY_LOWER: dict[str, str] = {label.lower(): label for label in GPU_PRODUCTS}
 SHOWN_LABEL = 80
@@ -200,12 +209,16 @@ def gpu_product(label: str) -> GPUProduct:
     """Look a GPU up by GFD label, NVML name or short alias, ignoring case.
 
     Raises ``KeyError`` naming every known product when nothing matches, with a hint for MIG and
-    time-slicing labels, which describe a slice of a device rather than a whole one.
+    time-slicing labels, which describe a slice of a device rather than a whole one, and ``AmbiguousProduct``
+    for a short name sold in several memory sizes.
     """
     key = _normalize(label)
     canonical = _BY_LOWER.get(key) or GPU_ALIASES.get(key)
     if canonical is not None:
         return GPU_PRODUCTS[canonical]
+    if key in AMBIGUOUS_ALIASES:
+        products = ", ".join(f"{name} ({GPU_PRODUCTS[name].memory_gib:g} GiB)" for name in AMBIGUOUS_ALIASES[key])
+        raise AmbiguousProduct(f"gpuProduct {label[:SHOWN_LABEL]!r} names several cards: {products}; give one of them")
     raise KeyError(f"{unknown_product(label)}; known products: {', '.join(GPU_PRODUCTS)}")
 
 
