@@ -191,6 +191,37 @@ def test_an_ambiguous_gpu_product_is_refused_naming_the_cards(
     assert "'A100' names several cards" in err and "NVIDIA-A100-SXM4-80GB (80 GiB)" in err
 
 
+T4_POOL = """apiVersion: memfit.dev/v1alpha1
+kind: GPUPool
+metadata: {name: t4}
+spec: {gpuProduct: Tesla-T4, gpusPerNode: 4, nodes: 1, cpuMemoryGiBPerNode: 256}
+"""
+
+
+def test_flash_attention_pinned_where_no_pool_is_ampere_is_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """flash-attention 2 has no kernels before Ampere: the trainer would fail at its first step."""
+    inventory = tmp_path / "t4.yaml"
+    inventory.write_text(T4_POOL)
+    job = edited(tmp_path, lambda s: s.update(method="lora", strategy={"attention": "flash"}))
+    code, out, err = run(capsys, job, "-i", inventory)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "strategy.attention flash" in err and "t4 (Tesla-T4)" in err
+
+
+def test_flash_attention_pinned_plans_on_the_ampere_pool_of_several(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    inventory = tmp_path / "pools.yaml"
+    inventory.write_text(T4_POOL + "---\n" + INVENTORY.read_text())
+    job = edited(tmp_path, lambda s: s.update(method="lora", strategy={"attention": "flash"}))
+    code, out, _ = run(capsys, job, "-i", inventory, "-o", "json")
+    result = json.loads(out)
+    assert code == 0 and result["chosen"]["strategy"]["attention"] == "flash"
+    assert all(c["strategy"]["pool"] != "t4" for c in [*result["candidates"], *result["rejected"]])
+
+
 def test_unknown_gpu_product_names_the_field(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     inventory = tmp_path / "pools.yaml"
     inventory.write_text(INVENTORY.read_text().replace("NVIDIA-L4", "NVIDIA-Q9000"))

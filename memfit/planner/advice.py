@@ -43,6 +43,10 @@ class Untried:
     QLORA_NEEDS_BF16: ClassVar[str] = (
         "qlora computes in bf16 (the trainer refuses it in fp16 and fp32), which these GPUs lack"
     )
+    FLASH_NEEDS_AMPERE: ClassVar[str] = (
+        "strategy.attention flash is pinned, and flash-attention 2 runs only on Ampere or later GPUs, which these "
+        "are not (leave strategy.attention out: SDPA)"
+    )
 
     @staticmethod
     def no_layout(spec: FineTuneJobSpec) -> str:

@@ -40,6 +40,7 @@ from memfit.api.knobs import conflicts as knob_conflicts
 from memfit.api.plan import PlanCandidate, PlanResult, Strategy
 from memfit.api.techniques import TECHNIQUES
 from memfit.api.vocabulary import (
+    Attention,
     Engine,
     MasterWeights,
     Method,
@@ -230,16 +231,27 @@ def best_plan(
 
 
 def selected_pools(spec: FineTuneJobSpec, pools: Sequence[GPUPool]) -> list[PoolCapacity]:
+    """The pools the job may use; PlanningError where it names none, or pins what none of them runs."""
     wanted = spec.resources.pool
     if not pools:
         raise PlanningError("no GPUPool is declared: give an inventory (memfit plan --inventory POOLS.yaml)")
-    if wanted is None:
-        return [pool_capacity(p) for p in pools]
-    selected = [pool_capacity(p) for p in pools if p.metadata.name == wanted]
+    selected = [pool_capacity(p) for p in pools if wanted is None or p.metadata.name == wanted]
     if not selected:
         names = ", ".join(p.metadata.name for p in pools)
         raise PlanningError(f"resources.pool {wanted!r} is not a declared GPUPool; declared pools: {names}")
+    if spec.strategy.attention == Attention.FLASH and not any(_runs_flash(capacity) for capacity in selected):
+        products = ", ".join(sorted({f"{capacity.name} ({capacity.product})" for capacity in selected}))
+        raise PlanningError(
+            f"strategy.attention flash: flash-attention 2 runs only on Ampere or later GPUs, and no pool the job may "
+            f"use has them: {products}; leave strategy.attention out (SDPA)"
+        )
     return selected
+
+
+def _runs_flash(capacity: PoolCapacity) -> bool:
+    """flash-attention 2's kernels need Ampere or later, which is also where bf16 tensor cores came (a CPU pool
+    has neither)."""
+    return capacity.bf16 and not capacity.cpu_only
 
 
 def _search(
@@ -389,6 +401,9 @@ def _micro_batches(spec: FineTuneJobSpec, per_gpu_batch: int) -> list[int]:
 
 def _search_pool(search: _Search, capacity: PoolCapacity, method: PlannedMethod) -> None:
     spec = search.spec
+    if spec.strategy.attention == Attention.FLASH and not _runs_flash(capacity):
+        search.untried.add(Untried(pool=capacity.name, method=None, cause=Untried.FLASH_NEEDS_AMPERE))
+        return
     precisions = _precisions(search, capacity, method)
     if not precisions:
         return
