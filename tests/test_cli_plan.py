@@ -124,6 +124,34 @@ BAD_INPUTS = {
 }
 
 
+@pytest.mark.parametrize(
+    ("section", "key", "meant"),
+    [
+        ("training", "globalBatchSzie", "globalBatchSize"),
+        ("training", "sequence_length", "sequenceLength"),
+        ("architecture", "hidden_size", "hiddenSize"),
+        ("architecture", "num_hidden_layers", "numLayers"),
+        ("architecture", "num_experts_per_tok", "expertsPerToken"),
+        ("lora", "target_modules", "targetModules"),
+    ],
+)
+def test_an_unknown_field_names_the_field_it_probably_meant(
+    section: str, key: str, meant: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A typo, or a key copied from config.json in its snake_case: the line names the field to use."""
+    where = (lambda s: s["model"]["architecture"]) if section == "architecture" else (lambda s: s[section])
+    code, _, err = run(capsys, edited(tmp_path, lambda s: where(s).update({key: 1})), "-i", INVENTORY)
+    assert code == 2 and err.count("\n") == 1
+    assert f"{key}: unknown field; did you mean `{meant}`?" in err, err
+
+
+def test_an_unknown_field_like_none_says_where_the_fields_are(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code, _, err = run(capsys, edited(tmp_path, lambda s: s["training"].update(zzz=1)), "-i", INVENTORY)
+    assert code == 2 and "spec.training.zzz: unknown field (check the spelling; `memfit crd` shows every field)" in err
+
+
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
 def test_bad_input_exits_2_with_one_clear_line(case: str, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     change, expected = BAD_INPUTS[case]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Final, Literal
+from typing import Annotated, ClassVar, Final, Literal
 
 from pydantic import Field, Strict, model_validator
 
@@ -87,6 +87,15 @@ _SHAPE_FIELDS = (
 
 class Architecture(ApiModel):
     """The model's shape: a built-in `preset`, or the explicit sizes from its config.json."""
+
+    CONFIG_JSON_NAMES: ClassVar[dict[str, str]] = {
+        "num_hidden_layers": "numLayers",
+        "num_local_experts": "numExperts",
+        "num_experts": "numExperts",
+        "num_experts_per_tok": "expertsPerToken",
+        "model_type": "family",
+    }
+    """config.json keys whose field here is not their camelCase (an unknown field names its field)."""
 
     preset: Annotated[str, Strict(), Field(min_length=1, max_length=128)] | None = None
     """A built-in model, e.g. llama-3.1-8b, qwen2.5-7b, gemma-2-9b, qwen3-8b, gemma-4-31b, gpt-oss-20b, each

@@ -23,6 +23,7 @@ Every value an error message echoes is cut to about 80 characters with control c
 from __future__ import annotations
 
 import codecs
+import difflib
 import re
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
@@ -203,16 +204,61 @@ def _message(text: str) -> str:
     return _cut(text, MAX_MESSAGE)
 
 
-def describe_validation_error(error: ValidationError) -> str:
+def _model_at(model: type[BaseModel], location: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The model class whose fields are at ``location`` under ``model`` (list indices and map keys skipped)."""
+    for part in location:
+        if not isinstance(part, str):
+            continue
+        field_info = next((f for n, f in model.model_fields.items() if part in (f.alias, n)), None)
+        if field_info is None:
+            continue  # a key of a map: its values' model is the one already in hand
+        inner = _model_in(field_info.annotation)
+        if inner is None:
+            return None
+        model = inner
+    return model
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model an annotation holds (under Optional, Annotated, list or dict), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for argument in getattr(annotation, "__args__", ()):
+        found = _model_in(argument)
+        if found is not None:
+            return found
+    return None
+
+
+def did_you_mean(model: type[BaseModel] | None, location: tuple[int | str, ...]) -> str:
+    """`; did you mean `globalBatchSize`?` for an unknown field at ``location`` (a config.json snake_case key
+    read as its camelCase field), or nothing."""
+    parent = _model_at(model, location[:-1]) if model is not None else None
+    unknown = location[-1] if location else None
+    if parent is None or not isinstance(unknown, str):
+        return ""
+    known = [f.alias or n for n, f in parent.model_fields.items()]
+    synonyms: dict[str, str] = getattr(parent, "CONFIG_JSON_NAMES", {})
+    camel = re.sub(r"_([a-z0-9])", lambda m: m.group(1).upper(), unknown)
+    guess = synonyms.get(unknown) or (camel if camel in known else None)
+    if guess is None:
+        close = difflib.get_close_matches(camel, known, n=1, cutoff=0.75)
+        guess = close[0] if close else None
+    return f"; did you mean `{guess}`?" if guess else ""
+
+
+def describe_validation_error(error: ValidationError, model: type[BaseModel] | None = None) -> str:
     """One line for the first few problems: `spec.training.globalBatchSize: must be greater than 0`.
-    Values from the input are echoed cut short, with control characters escaped."""
+    Values from the input are echoed cut short, with control characters escaped; an unknown field of
+    ``model`` gets the field it probably meant."""
     lines = []
     problems = error.errors(include_url=False)
     for problem in problems[:MAX_PROBLEMS]:
         where = _field(problem["loc"]) or "(object)"
         message = problem["msg"].removeprefix("Value error, ")
         if problem["type"] == "extra_forbidden":
-            message = "unknown field (check the spelling; `memfit crd` shows every field)"
+            hint = did_you_mean(model, problem["loc"])
+            message = f"unknown field{hint or ' (check the spelling; `memfit crd` shows every field)'}"
         elif problem["type"] == "missing":
             message = "required field is missing"
         elif problem["type"] not in ("value_error", "assertion_error"):
@@ -242,7 +288,7 @@ def parse_object(document: Any, origin: str = "object") -> FineTuneJob | GPUPool
     try:
         return KINDS[kind].model_validate(document, by_alias=True, by_name=False)  # type: ignore[return-value]
     except ValidationError as error:
-        raise InputError(f"{origin}: {what}: {describe_validation_error(error)}") from None
+        raise InputError(f"{origin}: {what}: {describe_validation_error(error, KINDS[kind])}") from None
 
 
 def _text(path: Path, where: str) -> str:

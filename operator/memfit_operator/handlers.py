@@ -131,7 +131,7 @@ def gpu_pools(name: str, body: kopf.Body, logger: kopf.Logger, **_: Any) -> dict
     try:
         pool = GPUPool.model_validate({k: _plain(body.get(k)) for k in ("apiVersion", "kind", "metadata", "spec")})
     except ValidationError as error:
-        logger.warning(f"GPUPool {name} is ignored: {describe_validation_error(error)}")
+        logger.warning(f"GPUPool {name} is ignored: {describe_validation_error(error, GPUPool)}")
         return {}
     return {None: pool}
 

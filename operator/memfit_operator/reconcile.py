@@ -249,7 +249,7 @@ def _accepted_job(run: _Pass) -> FineTuneJob | None:
     try:
         job = FineTuneJob.model_validate({k: raw[k] for k in ("apiVersion", "kind", "metadata", "spec") if k in raw})
     except ValidationError as error:
-        message = describe_validation_error(error)
+        message = describe_validation_error(error, FineTuneJob)
         if launched is None:
             changed = run.condition(ConditionType.READY, False, Reason.INVALID_SPEC, message)
             run.phase(Phase.INVALID)
