@@ -389,3 +389,22 @@ def test_a_launch_check_that_crashes_is_said_in_one_line(tmp_path: Path, monkeyp
         3,
         "the trainer's launch check failed (exit 1): RuntimeError: a bug",
     )
+
+
+@pytest.mark.parametrize(
+    ("batch", "micro", "reason"),
+    [
+        (6, None, "globalBatchSize 6 does not divide over 4"),
+        (8, 4, "strategy.microBatchSize 4 does not divide the 2 rows per rank of 4"),
+        (8, None, "it is the fastest plan that fits here (`memfit plan` lists the others)"),
+    ],
+)
+def test_fewer_ranks_than_offered_says_the_true_reason(batch: int, micro: int | None, reason: str) -> None:
+    from memfit.cli.run_command import fewer_ranks
+    from memfit.planner.search import plan_job
+    from tests.planning_fixtures import ONE_A100, job
+
+    spec = job("qwen2.5-0.5b", "full", batch=batch, strategy={"microBatchSize": micro} if micro else {})
+    chosen = plan_job(spec, [ONE_A100]).chosen
+    assert chosen is not None and chosen.strategy.gpus == 1
+    assert fewer_ranks(spec, chosen, 4) == f"the plan uses 1 of 4 ranks: {reason}"

@@ -27,8 +27,9 @@ from typing import IO
 
 from pydantic import ValidationError
 
-from memfit.api.finetunejob import FineTuneJob
+from memfit.api.finetunejob import FineTuneJob, FineTuneJobSpec
 from memfit.api.loading import InputError, describe_validation_error, load_documents
+from memfit.api.plan import PlanCandidate
 from memfit.cli.exit_codes import ExitCode
 from memfit.cli.local_machine import inspect_machine, local_pool
 from memfit.cli.model_profiles import ProfileFailed, directory_profile
@@ -190,6 +191,18 @@ def single_job(path: Path, name: str | None) -> FineTuneJob:
     return jobs[0]
 
 
+def fewer_ranks(spec: FineTuneJobSpec, chosen: PlanCandidate, ranks: int) -> str:
+    """Why the plan uses fewer ranks than the machine offers: the batch does not split over them, or a plan
+    on fewer is the fastest that fits."""
+    batch, micro = spec.training.global_batch_size, spec.strategy.micro_batch_size
+    uses = f"the plan uses {chosen.strategy.gpus} of {ranks} ranks"
+    if batch % ranks:
+        return f"{uses}: globalBatchSize {batch} does not divide over {ranks}"
+    if micro is not None and (batch // ranks) % micro:
+        return f"{uses}: strategy.microBatchSize {micro} does not divide the {batch // ranks} rows per rank of {ranks}"
+    return f"{uses}: it is the fastest plan that fits here (`memfit plan` lists the others)"
+
+
 def run_local(job_file: Path, ranks: int | None, mount_args: list[str], workdir: Path | None, dry_run: bool) -> int:
     machine = inspect_machine()
     ranks = ranks or (len(machine.gpu_names) if machine.has_gpus else min(DEFAULT_CPU_RANKS, machine.cpus))
@@ -217,8 +230,7 @@ def run_local(job_file: Path, ranks: int | None, mount_args: list[str], workdir:
             print(f"  - {line}", file=sys.stderr)
         return ExitCode.NO_FIT
     if result.chosen.strategy.gpus != ranks:
-        print(f"memfit run: the plan uses {result.chosen.strategy.gpus} of {ranks} ranks "
-              "(globalBatchSize must be divisible by the rank count)", file=sys.stderr)  # fmt: skip
+        print(f"memfit run: {fewer_ranks(job.spec, result.chosen, ranks)}", file=sys.stderr)
         ranks = result.chosen.strategy.gpus
 
     try:
