@@ -250,6 +250,18 @@ def test_flash_attention_pinned_plans_on_the_ampere_pool_of_several(
     assert all(c["strategy"]["pool"] != "t4" for c in [*result["candidates"], *result["rejected"]])
 
 
+def test_a_gpu_alias_is_planned_as_one_card_and_the_table_says_which(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    inventory = tmp_path / "pools.yaml"
+    inventory.write_text(INVENTORY.read_text().replace("NVIDIA-A100-SXM4-80GB", "a100-80gb"))
+    code, out, _ = run(capsys, JOB, "-i", inventory)
+    assert code == 0
+    assert "GPUs: pool 'a100-80gb': gpuProduct 'a100-80gb' is NVIDIA-A100-SXM4-80GB (80 GiB)" in out
+    code, out, _ = run(capsys, JOB, "-i", INVENTORY)
+    assert code == 0 and "GPUs:" not in out  # the product table's own label needs no reading
+
+
 def test_unknown_gpu_product_names_the_field(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     inventory = tmp_path / "pools.yaml"
     inventory.write_text(INVENTORY.read_text().replace("NVIDIA-L4", "NVIDIA-Q9000"))

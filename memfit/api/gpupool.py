@@ -201,3 +201,19 @@ def pool_capacity(pool: GPUPool) -> PoolCapacity:
         pcie_bytes_per_second=(known.pcie_gbps if known else 25.0) * GB,
         cpu_only=spec.cpu_only,
     )
+
+
+def product_read_as(pool: GPUPool) -> str | None:
+    """`pool 'x': gpuProduct 'a100-80gb' is NVIDIA-A100-SXM4-80GB (80 GiB)` where the pool names its GPUs by
+    another spelling than the product table's label (an alias or an NVML name), else None: the plan says which
+    card it planned for."""
+    spec = pool.spec
+    if spec.cpu_only:
+        return None
+    try:
+        known = gpu_product(spec.gpu_product)
+    except KeyError:
+        return None
+    if known.product == spec.gpu_product:
+        return None
+    return f"pool {pool.metadata.name!r}: gpuProduct {spec.gpu_product!r} is {known.product} ({known.memory_gib:g} GiB)"

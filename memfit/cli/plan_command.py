@@ -11,7 +11,7 @@ import yaml
 
 from memfit.api.base import escaped, shown
 from memfit.api.finetunejob import FineTuneJob
-from memfit.api.gpupool import GPUPool
+from memfit.api.gpupool import GPUPool, product_read_as
 from memfit.api.loading import InputError, load_documents
 from memfit.api.vocabulary import Engine
 from memfit.cli.exit_codes import ExitCode
@@ -89,7 +89,7 @@ def run_plan(
         return _error(f"{job_path}: FineTuneJob {shown(job.metadata.name)}: {error}")
 
     if output == "table":
-        print_plan_table(job, result)
+        print_plan_table(job, result, gpus_read_as=[r for r in map(product_read_as, documents.pools) if r])
     else:
         data = result.model_dump(by_alias=True, mode="json")
         sys.stdout.write(

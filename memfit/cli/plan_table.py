@@ -8,6 +8,7 @@ instead of reaching the terminal.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -89,7 +90,11 @@ def _print_heading(console: Console, job: FineTuneJob, about: str) -> None:
     console.print(Text.assemble(literal(job.metadata.name, "bold"), ": ", literal(job.spec.model.name), about))
 
 
-def print_plan_table(job: FineTuneJob, result: PlanResult, console: Console | None = None) -> None:
+def print_plan_table(
+    job: FineTuneJob, result: PlanResult, console: Console | None = None, gpus_read_as: Sequence[str] = ()
+) -> None:
+    """The plan as tables; ``gpus_read_as``: which card each pool that names its GPUs by an alias was planned
+    for (``product_read_as``)."""
     console = console or _new_console()
     spec = job.spec
     training = spec.training
@@ -97,6 +102,8 @@ def print_plan_table(job: FineTuneJob, result: PlanResult, console: Console | No
              f"{training.global_batch_size} x {training.sequence_length} tokens per step")  # fmt: skip
     _print_heading(console, job, about)
     console.print(Text.assemble(("Model", "bold"), ": ", literal(result.model_basis)))
+    for reading in gpus_read_as:
+        console.print(Text.assemble(("GPUs", "bold"), ": ", literal(reading)))
     chosen = result.chosen
     if chosen is None:
         _print_no_fit(result, console)
