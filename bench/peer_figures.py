@@ -48,6 +48,16 @@ FIGURES = (
         "torchtune README, Memory and training speed (CPU offload, optimizer fused into backward)",
         peer_offloaded=True,
     ),  # fmt: skip
+    PeerFigure("llama-3.1-8b-full", 18.9, "torchtune", "RTX 4090", "torchtune README, Memory and training speed"),
+    PeerFigure("llama-3.2-3b-full-8bit", 17.6, "torchtune", "A100", "torchtune figure quoted in memfit issue 21"),
+    PeerFigure(
+        "llama-2-70b-qlora",
+        18.25,
+        "PEFT",
+        "2x 24 GB",
+        "PEFT docs, Use PEFT QLoRA and FSDP for finetuning large models on multiple GPUs (19.6 GB, params on CPU)",
+        peer_offloaded=True,
+    ),  # fmt: skip
 )
 
 
@@ -58,15 +68,15 @@ def plan_figure(figure: PeerFigure) -> PlanCandidate | None:
 
 
 def main() -> None:
-    print(f"{'job':<20} {'peer':<10} {'GPU':<9} {'published':>9} {'memfit':>7} {'ratio':>6}  strategy")
+    print(f"{'job':<22} {'peer':<10} {'GPU':<9} {'published':>9} {'memfit':>7} {'ratio':>6}  strategy")
     for figure in FIGURES:
         plan = plan_figure(figure)
         if plan is None:
-            print(f"{figure.job:<20} {figure.peer:<10} {figure.gpu:<9} {figure.published_gib:>7.1f} G  no plan on a "
+            print(f"{figure.job:<22} {figure.peer:<10} {figure.gpu:<9} {figure.published_gib:>7.1f} G  no plan on a "
                   f"{MARGIN}x GPU")  # fmt: skip
             continue
         planned = plan.memory.per_gpu.total / GIB
-        print(f"{figure.job:<20} {figure.peer:<10} {figure.gpu:<9} {figure.published_gib:>7.1f} G {planned:>5.1f} G "
+        print(f"{figure.job:<22} {figure.peer:<10} {figure.gpu:<9} {figure.published_gib:>7.1f} G {planned:>5.1f} G "
               f"{planned / figure.published_gib:>6.2f}  {plan.strategy.summary()}")  # fmt: skip
 
 

@@ -21,11 +21,14 @@ the CPU path differs from a GPU run, the trace says so rather than pretending:
 
 The traced batch is ``plain`` (one unpadded sequence per row, the committed grid's) or the trainer's own
 (``memfit_trainer.data.model_inputs``): ``packed`` documents with restarting ``position_ids``, or ``padded``
-rows of one document each with an ``attention_mask``; both make ``transformers`` build a ``(b, 1, s, s)`` mask.
+rows of one document each with an ``attention_mask``; both make ``transformers`` build a ``(b, 1, s, s)`` mask
+(flex attention: a ``BlockMask``, traced through torch's reference implementation, see
+``calibration.flex_reference``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 from collections.abc import Callable
@@ -38,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from calibration.flex_reference import flex_reference_on_cpu
 from memfit.api.vocabulary import Attention, Method, Optimizer, Precision
 from memfit.model_shape import ModelShape
 from memfit_trainer.activation_offload import offload_activations
@@ -55,9 +59,10 @@ from memfit_trainer.fake_trace import (
     transient,
 )
 from memfit_trainer.hf_config import transformers_config
+from memfit_trainer.model import ATTENTION
 
 Dtype = Literal[Precision.BF16, Precision.FP32]
-TracedAttention = Literal[Attention.SDPA, Attention.EAGER]
+TracedAttention = Literal[Attention.SDPA, Attention.EAGER, Attention.FLEX]
 Trainable = Literal[Method.FULL, Method.LORA]
 OptimizerImpl = Literal["foreach", "for-loop", "fused"]
 Batch = Literal["plain", "packed", "padded"]
@@ -111,7 +116,7 @@ def _build_model(
     with torch.device("meta"):
         # (transformers' from_config is unannotated.)
         model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
-            config, attn_implementation=attention, dtype=_TORCH_DTYPES[dtype]
+            config, attn_implementation=ATTENTION[attention], dtype=_TORCH_DTYPES[dtype]
         )
         if trainable == Method.LORA:
             from peft import LoraConfig, get_peft_model
@@ -243,7 +248,8 @@ def trace_training_step(
     if activation_offloading:  # the trainer's hooks (memfit_trainer.activation_offload), to the stand-in host
         offload_activations(model, host=HOST)
     real_inputs = _real_batch(batch, micro_batch, seq_len, shape.vocab_size)
-    with fake_run(causal_mask) as mode:
+    reference = flex_reference_on_cpu() if attention == Attention.FLEX else contextlib.nullcontext()
+    with reference, fake_run(causal_mask) as mode:
         fake_weights(model)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = _optimizer(params, optimizer_impl)

@@ -102,7 +102,8 @@ def trainer_config(case: Case, scratch: Path) -> Any:
         data=DataConfig(path=str(data), text_field="text"),
         training=TrainingConfig(
             method=case.method, sequence_length=SEQUENCE_LENGTH, micro_batch_size=MICRO_BATCH,
-            gradient_accumulation_steps=1, global_batch_size=MICRO_BATCH * WORLD_SIZE, max_steps=10,
+            gradient_accumulation_steps=strategy.gradient_accumulation_steps,
+            global_batch_size=spec.training.global_batch_size, max_steps=10,
             learning_rate=1e-3, optimizer=case.optimizer, precision="bf16", master_weights=case.master_weights,
             lora=LoraConfig(rank=8, alpha=16, dropout=0.0),
         ),

@@ -1,12 +1,14 @@
-"""The README's `memfit plan` and `memfit profile` examples, as the CLI prints them now.
+"""The README's `memfit plan` and `memfit profile` examples and its benchmark tables, as they print now.
 
-`python tests/readme_outputs.py` rewrites each block after its `$ memfit plan ...` line; tests/test_readme.py
-fails when one drifts (the planning time aside), so the README shows output, never a hand-edited copy of it.
+`python tests/readme_outputs.py` rewrites each block after its `$ memfit plan ...` (or `$ python bench/...`)
+line; tests/test_readme.py fails when one drifts (the planning time aside), so the README shows output,
+never a hand-edited copy of it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import os
 import re
@@ -16,7 +18,9 @@ from pathlib import Path
 from memfit.cli.main import main
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-COMMAND = re.compile(r"^\$ (memfit (?:plan|profile|presets) .*)$", re.MULTILINE)
+COMMAND = re.compile(r"^\$ (memfit (?:plan|profile|presets) .*|python bench/peer_figures\.py)$", re.MULTILINE)
+BENCHES = {"python bench/peer_figures.py": "bench.peer_figures"}
+"""The benchmarks whose output the README shows: their module's ``main()`` prints it."""
 TIMING = re.compile(r"planned in [0-9.]+ ms")
 """The one part of the output that differs from run to run."""
 
@@ -29,7 +33,10 @@ def run(command: str) -> str:
     os.chdir(README.parent)
     try:
         with contextlib.redirect_stdout(out):
-            main(shlex.split(command)[1:])
+            if command in BENCHES:
+                importlib.import_module(BENCHES[command]).main()
+            else:
+                main(shlex.split(command)[1:])
     finally:
         os.chdir(previous[1])
         if previous[0] is None:

@@ -68,8 +68,9 @@ SCENARIOS: dict[str, Callable[[], Case]] = {
     "qlora pinned to fp16": lambda: Case(
         unvalidated_job("llama-2-7b", "qlora", batch=64, training={"precision": "fp16"}), [A100_NODE]
     ),
-    "qlora with parameter offload": lambda: Case(
-        unvalidated_job("llama-2-7b", "qlora", batch=64, strategy={"offloadParameters": "cpu"}), [A100_NODE]
+    "qlora with parameter offload on deepspeed": lambda: Case(
+        unvalidated_job("llama-2-7b", "qlora", batch=64, strategy={"offloadParameters": "cpu", "engine": "deepspeed"}),
+        [A100_NODE],
     ),
     "70b full on T4s": lambda: Case(job("llama-2-70b", "full", batch=64), [T4]),
     "70b full on L4s with a small host": lambda: Case(job("llama-3.1-70b", "full"), [L4]),
@@ -402,11 +403,15 @@ def _untried_qlora_gpus(m: re.Match[str], case: Case, result: PlanResult) -> boo
 CONFLICTS: dict[str, Callable[[FineTuneJobSpec, str], bool]] = {
     r"method qlora computes in bf16 \(the trainer refuses it in (?P<p>fp16|fp32)\): set training\.precision to "
     r"bf16 or auto, on a GPU with bf16": lambda s, m: m == "qlora" and s.training.precision in ("fp16", "fp32"),
-    r"method qlora cannot run under ZeRO-3 \(4-bit weights are not partitioned\); use zeroStage 0-2": (
-        lambda s, m: m == "qlora" and s.strategy.zero_stage in (None, 3)
+    r"method qlora cannot run under DeepSpeed ZeRO-3 \(DeepSpeed does not partition 4-bit weights\); use zeroStage "
+    r"0-2, or strategy\.engine fsdp2 \(it shards them\)": (
+        lambda s, m: m == "qlora" and s.strategy.zero_stage in (None, 3) and s.strategy.engine == "deepspeed"
     ),
-    r"method qlora keeps its 4-bit base on the GPU: parameter offload needs ZeRO-3, which qlora cannot use": (
-        lambda s, m: m == "qlora" and s.strategy.offload_parameters in ("cpu", "nvme")
+    r"method qlora keeps its 4-bit base on the GPU under DeepSpeed \(parameter offload needs ZeRO-3, which "
+    r"DeepSpeed cannot run with qlora\); strategy\.engine fsdp2 offloads it": (
+        lambda s, m: (
+            m == "qlora" and s.strategy.offload_parameters in ("cpu", "nvme") and s.strategy.engine == "deepspeed"
+        )
     ),
     r"strategy\.offloadParameters needs zeroStage 3 \(only ZeRO-3 partitions parameters; DeepSpeed ignores "
     r"parameter offload under ZeRO 0-2\)": lambda s, m: s.strategy.offload_parameters in ("cpu", "nvme"),

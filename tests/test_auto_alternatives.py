@@ -44,7 +44,8 @@ def test_70b_on_one_a100_shows_qlora_next_to_the_lora_it_prefers() -> None:
     result = plan_job(spec, pools)
     assert result.chosen is not None
     # Activation offloading buys micro-batch 32 in one pass (16 x 2 without): the CPU-held weights travel once.
-    assert result.chosen.strategy.summary() == "lora zero3 params->cpu ckpt act->cpu mb32x1 bf16 adamw on 1x1 a100"
+    chosen = "lora fsdp2-zero3 opt->cpu params->cpu ckpt act->cpu mb32x1 bf16 adamw on 1x1 a100"
+    assert result.chosen.strategy.summary() == chosen
     assert result.chosen.techniques == "activation offloading: micro-batch 32 (16 without)"
     assert first_of_each_method(result) == {
         "lora": best_of(spec, pools, "lora"),
@@ -60,7 +61,8 @@ def test_70b_on_one_a100_shows_qlora_next_to_the_lora_it_prefers() -> None:
 
 def test_the_best_of_every_allowed_method_is_a_candidate_even_past_the_cap() -> None:
     jobs = load_documents(ROOT / "examples" / "llama-3.1-8b-lora.yaml").jobs
-    pools = load_documents(ROOT / "examples" / "inventory.yaml").pools
+    h100_node = pool("h100", "NVIDIA-H100-80GB-HBM3", 8, 1, 2000)  # full plans enough to fill the list
+    pools = [*load_documents(ROOT / "examples" / "inventory.yaml").pools, h100_node]
     training = jobs[0].spec.training.model_copy(update={"global_batch_size": 256})  # layouts enough to fill it
     spec = jobs[0].spec.model_copy(update={"training": training})
     result = plan_job(spec, pools)
@@ -89,11 +91,14 @@ def test_the_runner_ups_show_the_best_of_each_other_method() -> None:
     plan_of = FineTuneJob.model_validate(document)
     result = plan_job(plan_of.spec, [ONE_A100_BIG_HOST])
     shown = runners_up(result)
-    # lora without activation offloading next, then the best qlora (DeepSpeed), then qlora on fsdp2
+    # lora without activation offloading next (fsdp2, then DeepSpeed), then the best qlora (DeepSpeed), then qlora
+    # on fsdp2 (and with its CPU offload, a larger micro-batch)
     assert [c.strategy.summary() for c in shown] == [
+        "lora fsdp2-zero3 opt->cpu params->cpu ckpt mb16x2 bf16 adamw on 1x1 a100",
         "lora zero3 params->cpu ckpt mb16x2 bf16 adamw on 1x1 a100",
         "qlora zero0 ckpt mb8x4 bf16 adamw on 1x1 a100",
         "qlora fsdp2-zero3 ckpt mb8x4 bf16 adamw on 1x1 a100",
+        "qlora fsdp2-zero3 opt->cpu params->cpu ckpt mb16x2 bf16 adamw on 1x1 a100",
     ]
     out = io.StringIO()
     print_plan_table(plan_of, result, Console(file=out, width=200))

@@ -120,7 +120,10 @@ BAD_INPUTS = {
     "unknown preset": (lambda s: s["model"].update(architecture={"preset": "llama-9"}), "unknown preset 'llama-9'"),
     "bad method": (lambda s: s.update(method="dora"), "spec.method: Input should be 'auto', 'full', 'lora' or 'qlora'"),
     "bad lora target": (lambda s: s["lora"].update(targetModules=["qkv"]), "unknown LoRA target module(s) qkv"),
-    "zero3 qlora": (lambda s: s.update(method="qlora", strategy={"zeroStage": 3}), "qlora cannot run under ZeRO-3"),
+    "zero3 qlora": (
+        lambda s: s.update(method="qlora", strategy={"zeroStage": 3, "engine": "deepspeed"}),
+        "qlora cannot run under DeepSpeed ZeRO-3",
+    ),
 }
 
 

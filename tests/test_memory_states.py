@@ -243,7 +243,12 @@ def test_fp32_masters_reproduce_the_previous_model_exactly() -> None:
         shape = MODEL_PRESETS[preset]
         s = strategy(stage, gpus, offload, method=method, precision=precision, optimizer=optimizer)
         before = BEFORE["/".join(map(str, (preset, method, stage, gpus, offload, precision, optimizer)))]
-        assert list(dataclasses.astuple(model_states(shape, s, Adapters(16, ("all-linear",))))) == before, s.summary()
+        states = model_states(shape, s, Adapters(16, ("all-linear",)))
+        if offload != "none":  # the host now holds what DeepSpeed pins, rounded (test_pinned_vs_deepspeed.py)
+            host_before = before[[f.name for f in dataclasses.fields(states)].index("cpu_per_rank")]
+            assert states.cpu_per_rank >= host_before, s.summary()
+            states = dataclasses.replace(states, cpu_per_rank=host_before)
+        assert list(dataclasses.astuple(states)) == before, s.summary()
 
 
 def test_8bit_states_moved_not_lost_against_the_previous_model() -> None:

@@ -15,9 +15,9 @@ from pydantic import ValidationError
 from memfit.api.finetunejob import FineTuneJob, FineTuneJobSpec
 from memfit.api.gpupool import pool_capacity
 from memfit.api.plan import Strategy
-from memfit.api.vocabulary import Attention, Engine, Method, Offload, Optimizer, Precision
+from memfit.api.vocabulary import Attention, Engine, MasterWeights, Method, Offload, Optimizer, Precision
 from memfit.catalog.models import MODEL_PRESETS
-from memfit.contract.engines import Fsdp2EngineSection
+from memfit.contract.engines import DeepSpeedEngineSection, Fsdp2EngineSection
 from memfit.contract.trainer_config import TrainerConfig
 from memfit.memory.engines.fsdp2 import fsdp2_groups, fsdp2_step
 from memfit.memory.estimate import activation_setup, model_states, peak_memory, static_memory
@@ -52,12 +52,13 @@ def test_an_unclipped_fsdp2_job_may_pin_it_and_keeps_its_zero_norm_when_stored()
 @pytest.mark.parametrize(
     ("training", "strategy", "message"),
     [
-        (UNCLIPPED, {"engine": "deepspeed"}, "optimizerInBackward needs strategy.engine fsdp2"),
+        (UNCLIPPED, {"engine": "deepspeed", "zeroStage": 1}, "on the deepspeed engine needs zeroStage 0"),
+        (UNCLIPPED, {"engine": "deepspeed", "masterWeights": "fp32"}, "it needs strategy.masterWeights bf16"),
         ({"globalBatchSize": 8}, {"engine": "fsdp2"}, "set training.maxGradNorm: 0"),
         ({**UNCLIPPED, "maxGradNorm": 0.5}, {}, "cannot clip gradients"),
         (UNCLIPPED, {"microBatchSize": 2}, r"needs gradient accumulation 1 \(got 2\)"),
     ],
-    ids=["deepspeed", "default-clipping", "clipping", "accumulating"],
+    ids=["deepspeed-zero1", "deepspeed-fp32-masters", "default-clipping", "clipping", "accumulating"],
 )
 def test_each_rule_refuses_with_its_own_message(
     training: dict[str, Any], strategy: dict[str, Any], message: str
@@ -72,7 +73,7 @@ def test_the_trainer_config_holds_the_same_rules(tmp_path: Path) -> None:
     def config(**options: Any) -> TrainerConfig:
         return make_config(tmp_path, engine="fsdp2", stage=3, offload=False, optimizer_in_backward=True, **options)
 
-    assert config(max_grad_norm=0.0).engine.optimizer_in_backward  # type: ignore[union-attr]
+    assert config(max_grad_norm=0.0).engine.optimizer_in_backward
     with pytest.raises(ValidationError, match="set training.maxGradNorm: 0"):
         config()
     with pytest.raises(ValidationError, match="needs gradient accumulation 1"):
@@ -138,13 +139,33 @@ def test_the_rendered_trainer_config_steps_in_backward_without_clipping() -> Non
     assert TrainerConfig.model_validate_json(config.to_json()) == config
 
 
-def test_deepspeed_renders_no_clipping_as_zero_and_refuses_the_step_in_backward() -> None:
-    spec = _spec(engine="deepspeed")
+def test_deepspeed_steps_in_backward_at_zero0_with_bf16_masters_and_builds_no_optimizer() -> None:
+    """The trainer builds one optimizer per parameter (DeepSpeed none) and is told to step them in backward."""
+    spec = _spec(engine="deepspeed", zeroStage=0, masterWeights="bf16", optimizerInBackward=True)
     plan = plan_job(spec, [RTX_4090]).chosen
-    assert plan is not None
-    assert deepspeed_config(spec, plan.strategy)["gradient_clipping"] == 0.0
-    with pytest.raises(ValueError, match="optimizerInBackward needs strategy.engine fsdp2"):
-        deepspeed_config(spec, dataclasses.replace(plan.strategy, optimizer_in_backward=True))
+    assert plan is not None and plan.strategy.optimizer_in_backward
+    rendered = deepspeed_config(spec, plan.strategy)
+    assert rendered["gradient_clipping"] == 0.0 and "optimizer" not in rendered and "bf16" not in rendered
+    job = FineTuneJob.model_validate({"metadata": {"name": "j"}, "spec": spec.to_api()})
+    config = render_trainer_config(job, plan)
+    assert isinstance(config.engine, DeepSpeedEngineSection) and config.engine.optimizer_in_backward
+    with pytest.raises(ValueError, match="on the deepspeed engine needs zeroStage 0"):
+        deepspeed_config(spec, dataclasses.replace(plan.strategy, zero_stage=1))
+
+
+def test_deepspeed_in_backward_keeps_one_gradient_and_no_buckets() -> None:
+    """ZeRO-0: each whole gradient is all-reduced in place, stepped on and freed as soon as it is made, so
+    the largest one (the embedding's) is what stays; DeepSpeed's all-reduce buckets are not allocated."""
+    two = dict(engine=Engine.DEEPSPEED, zero_stage=0, gpus_per_node=2, master_weights=MasterWeights.BF16)
+    after, within = (model_states(SHAPE, _fsdp2(**two, optimizer_in_backward=b), LORA.adapters) for b in (False, True))
+    largest = SHAPE.vocab_size * SHAPE.hidden_size
+    assert after.gradients == 2 * SHAPE.parameter_count and within.gradients == 2 * largest
+    assert within.step_gradients == 0 < after.step_gradients
+    buckets = [
+        static_memory(SHAPE, StaticSetup.of(_fsdp2(**two, optimizer_in_backward=b)), LORA).communication_buffers
+        for b in (False, True)
+    ]
+    assert buckets[1] == 0 < buckets[0]
 
 
 # --- memory terms ---------------------------------------------------------------------------------------
@@ -188,3 +209,18 @@ def test_no_sharded_gradient_outlives_its_groups_post_backward() -> None:
         + stepped.root_reduce_input
     )  # fmt: skip
     assert all(a.gradients <= b.gradients + stepped.head_step_temporary for a, b in zip(after, before, strict=True))
+
+
+def test_fsdp2_8bit_states_are_per_shard_and_paged_ones_on_the_host() -> None:
+    """bitsandbytes steps each rank's shard: two 8-bit states and one fp32 absmax per 256 elements of it on the
+    GPU, or (paged) only the absmaxes there and the 8-bit states in managed memory the host backs."""
+    n = 8
+    plain, paged = (
+        model_states(SHAPE, _fsdp2(optimizer=o, master_weights=MasterWeights.BF16), LORA.adapters)
+        for o in (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT)
+    )
+    parameters = SHAPE.parameter_count
+    assert plain.optimizer_states == pytest.approx(2 * parameters / n * (1 + 4 / 256), rel=0.01)
+    assert plain.cpu_per_rank == 0
+    assert paged.optimizer_states == pytest.approx(2 * parameters / n * 4 / 256, rel=0.02)  # + fp32 states of norms
+    assert paged.cpu_per_rank == pytest.approx(2 * parameters / n, rel=0.01)

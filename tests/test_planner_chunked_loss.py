@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from memfit.api.knobs import Knobs, conflicts
 from memfit.api.plan import Strategy
+from memfit.api.vocabulary import Engine
 from memfit.catalog.models import model_preset as preset_shape
 from memfit.memory.activations import ActivationSetup, estimate_activations, head_and_loss
 from memfit.planner.search import plan_job
@@ -26,13 +27,18 @@ def test_the_summary_names_it_and_the_default_is_off() -> None:
     assert "zero2 chunked-ce mb2x2" in replace(STRATEGY, chunked_loss=True).summary()
 
 
-def test_zero3_conflicts_with_it_in_the_api_and_the_planner() -> None:
+def test_deepspeeds_zero3_conflicts_with_it_in_the_api_and_the_planner() -> None:
+    """DeepSpeed's ZeRO-3 partitions the head's weight; fsdp2 gathers its root (the head's group) for the loss."""
     assert conflicts(Knobs(zero_stage=3, chunked_loss=True))
     assert not conflicts(Knobs(zero_stage=2, chunked_loss=True))
-    with pytest.raises(ValidationError, match="chunkedLoss needs zeroStage 0-2"):
+    assert not conflicts(Knobs(zero_stage=3, chunked_loss=True, engine=Engine.FSDP2))
+    with pytest.raises(ValidationError, match="chunkedLoss needs zeroStage 0-2 on the deepspeed engine"):
         job("llama-3-8b", "full", strategy={"zeroStage": 3, "chunkedLoss": True})
     result = plan_job(job("llama-3-8b", "full", strategy={"chunkedLoss": True}), [A100_NODE])
-    assert result.candidates and all(c.strategy.chunked_loss and c.strategy.zero_stage != 3 for c in result.candidates)
+    assert result.candidates and all(
+        c.strategy.chunked_loss and (c.strategy.zero_stage != 3 or c.strategy.engine == Engine.FSDP2)
+        for c in result.candidates
+    )
 
 
 def test_the_loss_buffers_shrink_from_twelve_bytes_per_logit_to_one_chunk() -> None:

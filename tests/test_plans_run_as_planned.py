@@ -112,7 +112,7 @@ def test_auto_on_gpus_without_bf16_trains_in_fp16_with_full_or_lora_only() -> No
 
 CONFLICTING_PINS = [
     ({"method": "qlora", "training": {"precision": "fp16"}}, "method qlora computes in bf16"),
-    ({"method": "qlora", "strategy": {"offloadParameters": "cpu"}}, "keeps its 4-bit base on the GPU"),
+    ({"method": "qlora", "strategy": {"offloadParameters": "cpu", "engine": "deepspeed"}}, "keeps its 4-bit base"),
     ({"method": "qlora", "strategy": {"offloadOptimizer": "nvme"}}, "nvme needs zeroStage 3"),
     ({"method": "full", "strategy": {"offloadOptimizer": "cpu", "zeroStage": 0}}, "needs zeroStage 1-3"),
     ({"method": "full", "strategy": {"offloadOptimizer": "nvme", "zeroStage": 2}}, "nvme needs zeroStage 3"),

@@ -263,17 +263,43 @@ def test_replan_respects_the_specs_pool_restriction() -> None:
         excluded.append(failed.strategy.identity())
 
 
-def test_nothing_leaner_gives_no_plan_advice_and_kept_false() -> None:
-    job = spec(
+def leanest_job() -> FineTuneJobSpec:
+    """Llama 3.1 8B on at most 8 A100s, pinned to the leanest strategy there is: fsdp2 ZeRO-3, everything
+    offloaded, recomputation, activations on the host, the chunked loss."""
+    return spec(
         method="full",
         training={"globalBatchSize": 8, "precision": "bf16"},
         resources={"pool": "a100-80gb", "maxGPUs": 8},
-        strategy={"zeroStage": 3, "offloadOptimizer": "cpu", "offloadParameters": "cpu", "gradientCheckpointing": True,
-                  "activationOffloading": True},
+        strategy={"engine": "fsdp2", "zeroStage": 3, "offloadOptimizer": "cpu", "offloadParameters": "cpu",
+                  "gradientCheckpointing": True, "activationOffloading": True, "chunkedLoss": True},
     )  # fmt: skip
+
+
+def test_nothing_leaner_gives_no_plan_advice_and_kept_false() -> None:
+    job = leanest_job()
     failed = first_plan(job)
     result, kept = replan_after_oom(job, POOLS, failed, [failed.strategy.identity()])
     assert result.chosen is None and kept is False and result.advice
+
+
+def test_a_plan_as_heavy_as_the_failed_one_is_no_replan_where_the_headroom_is_capped() -> None:
+    """The failed plan used a tenth of an 80 GB GPU: the headroom that would leave no room for its estimate
+    is above the API's bound, so the plan on half the GPUs, accumulating twice, fits the capped headroom with
+    the failed plan's very estimate. It is not leaner, and the re-plan says so."""
+    job = leanest_job()
+    failed = first_plan(job)
+    assert leaner_headroom_percent(job, failed) == MAX_HEADROOM_PERCENT
+    unfiltered = plan_job(
+        job.model_copy(
+            update={"resources": job.resources.model_copy(update={"memory_headroom_percent": MAX_HEADROOM_PERCENT})}
+        ),
+        POOLS,
+        exclude=[failed.strategy.identity()],
+    )
+    assert unfiltered.chosen is not None  # as heavy: the capped headroom alone lets it through
+    assert unfiltered.chosen.memory.per_gpu.total >= failed.memory.per_gpu.total * (1 - LEANER_BY)
+    result, _ = replan_after_oom(job, POOLS, failed, [failed.strategy.identity()])
+    assert result.chosen is None and "is not 10% below the failed plan's" in result.advice[0]
 
 
 def test_replan_does_not_change_the_spec_it_is_given() -> None:

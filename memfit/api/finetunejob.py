@@ -367,7 +367,8 @@ class StrategySpec(ApiModel):
     micro_batch_size: Annotated[int, Strict(), Field(ge=1, le=MAX_GLOBAL_BATCH_SIZE)] | None = None
     """Sequences per GPU per forward pass (gradient accumulation makes up the rest)."""
     attention: Attention | None = None
-    """Attention kernel: sdpa (PyTorch fused), flash (flash-attn 2), or eager (materialises scores)."""
+    """Attention kernel: sdpa (PyTorch fused), flash (flash-attn 2), flex (PyTorch flex_attention: packed
+    documents as a block mask, no dense mask; CUDA only), or eager (materialises scores)."""
     chunked_loss: StrictBool | None = None
     """Compute the LM head and the cross-entropy chunk by chunk, recomputed in backward, so the
     full-vocabulary logits never exist (ZeRO 0-2 only)."""
@@ -382,12 +383,13 @@ class StrategySpec(ApiModel):
     """deepspeed (ZeRO) or fsdp2 (PyTorch's fully_shard; zeroStage 2 or 3, CPU offload of parameters,
     gradients and optimizer states together)."""
     optimizer_in_backward: StrictBool | None = None
-    """fsdp2: step each parameter's optimizer in the backward pass as soon as its gradient is reduced, then
-    free the gradient, so the full set of gradients never exists (as torchtune does for large models). It
-    needs gradient accumulation 1 (a gradient must be final when it is made) and no clipping: a parameter's
-    step cannot wait for the global norm of all gradients, so set training.maxGradNorm: 0 (torchtune makes
-    the same choice). Unset: the planner uses it only where the job allows it and it fits a larger
-    micro-batch, or makes the job fit at all."""
+    """Step each parameter's optimizer in the backward pass as soon as its gradient is reduced, then free
+    the gradient, so the full set of gradients never exists (as torchtune does): on fsdp2 each shard, on
+    deepspeed at zeroStage 0 with masterWeights bf16 each whole parameter (adamw, adamw8bit or
+    paged_adamw8bit, one optimizer per parameter). It needs gradient accumulation 1 (a gradient must be
+    final when it is made) and no clipping: a parameter's step cannot wait for the global norm of all
+    gradients, so set training.maxGradNorm: 0 (torchtune makes the same choice). Unset: the planner uses it
+    only where the job allows it and it fits a larger micro-batch, or makes the job fit at all."""
 
 
 class FineTuneJobSpec(ApiModel):

@@ -49,8 +49,9 @@ class Knobs:
 
     @property
     def qlora_on_deepspeed(self) -> bool:
-        """DeepSpeed cannot partition or offload 4-bit weights; FSDP2 shards their bf16-stored codes."""
-        return self.method == Method.QLORA and self.engine != Engine.FSDP2
+        """DeepSpeed cannot partition or offload 4-bit weights; FSDP2 shards their bf16-stored codes (and its
+        CPUOffloadPolicy moves them to the host). False while the engine is undecided: fsdp2 may still run it."""
+        return self.method == Method.QLORA and self.engine == Engine.DEEPSPEED
 
     @property
     def offloads_optimizer(self) -> bool:
@@ -76,6 +77,9 @@ def knobs_of(record: object, **decided: Any) -> Knobs:
 
 
 OFFLOADED = (Offload.CPU, Offload.NVME)
+FSDP2_OPTIMIZERS = frozenset({Optimizer.ADAMW}) | EIGHT_BIT_OPTIMIZERS
+"""What the fsdp2 engine steps on its DTensor shards (bitsandbytes' on each local shard:
+memfit_trainer.sharded_8bit)."""
 _NOT_BF16 = (Precision.FP16, Precision.FP32)
 
 
@@ -107,6 +111,14 @@ def _fsdp2(knobs: Knobs) -> bool:
     return knobs.engine == Engine.FSDP2
 
 
+def _deepspeed_keeps_masters(knobs: Knobs) -> bool:
+    """Whether DeepSpeed's precision section steps masters of its own (fp16, or bf16 with fp32 masters), not
+    the model's weights."""
+    return knobs.precision == Precision.FP16 or (
+        knobs.master_weights == MasterWeights.FP32 and knobs.precision != Precision.FP32
+    )
+
+
 RULES: tuple[Rule, ...] = (
     Rule(
         lambda k: k.method == Method.QLORA and k.precision in _NOT_BF16,
@@ -115,11 +127,13 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         lambda k: k.qlora_on_deepspeed and k.zero_stage == 3,
-        "method qlora cannot run under ZeRO-3 (4-bit weights are not partitioned); use zeroStage 0-2",
+        "method qlora cannot run under DeepSpeed ZeRO-3 (DeepSpeed does not partition 4-bit weights); use zeroStage "
+        "0-2, or strategy.engine fsdp2 (it shards them)",
     ),
     Rule(
         lambda k: k.qlora_on_deepspeed and k.offloads_parameters,
-        "method qlora keeps its 4-bit base on the GPU: parameter offload needs ZeRO-3, which qlora cannot use",
+        "method qlora keeps its 4-bit base on the GPU under DeepSpeed (parameter offload needs ZeRO-3, which "
+        "DeepSpeed cannot run with qlora); strategy.engine fsdp2 offloads it",
     ),
     Rule(
         lambda k: k.offloads_parameters and k.zero_stage is not None and k.zero_stage != 3,
@@ -143,9 +157,9 @@ RULES: tuple[Rule, ...] = (
         "8-bit optimizers run on the GPU; they cannot be combined with strategy.offloadOptimizer",
     ),
     Rule(
-        lambda k: bool(k.chunked_loss) and k.zero_stage == 3,
-        "strategy.chunkedLoss needs zeroStage 0-2 (ZeRO-3 partitions the LM head's weight, which the chunked loss "
-        "reads whole)",
+        lambda k: bool(k.chunked_loss) and k.zero_stage == 3 and not _fsdp2(k),
+        "strategy.chunkedLoss needs zeroStage 0-2 on the deepspeed engine (ZeRO-3 partitions the LM head's weight, "
+        "which the chunked loss reads whole; fsdp2 gathers it for the loss)",
     ),
     Rule(
         lambda k: bool(k.activation_offloading) and k.gradient_checkpointing is False,
@@ -183,9 +197,9 @@ RULES: tuple[Rule, ...] = (
         "and offloadParameters alike",
     ),
     Rule(
-        lambda k: _fsdp2(k) and k.optimizer is not None and k.optimizer != Optimizer.ADAMW,
-        "training.optimizer {optimizer} runs on the deepspeed engine; strategy.engine fsdp2 runs adamw (on its "
-        "sharded tensors)",
+        lambda k: _fsdp2(k) and k.optimizer is not None and k.optimizer not in FSDP2_OPTIMIZERS,
+        "training.optimizer {optimizer} runs on the deepspeed engine; strategy.engine fsdp2 runs adamw, adamw8bit "
+        "and paged_adamw8bit (on its sharded tensors)",
     ),
     Rule(
         lambda k: k.bf16_masters and k.offloads_optimizer and not _fsdp2(k),
@@ -196,9 +210,14 @@ RULES: tuple[Rule, ...] = (
     # do that, the gradient must be final (one micro-batch per step), and no step can wait for the norm of all
     # gradients.
     Rule(
-        lambda k: bool(k.optimizer_in_backward) and k.engine is not None and not _fsdp2(k),
-        "strategy.optimizerInBackward needs strategy.engine fsdp2 (it steps each sharded parameter from its "
-        "post-accumulate-grad hook)",
+        lambda k: bool(k.optimizer_in_backward) and k.engine == Engine.DEEPSPEED and k.zero_stage not in (None, 0),
+        "strategy.optimizerInBackward on the deepspeed engine needs zeroStage 0 (ZeRO 1-3 step their partitions "
+        "after the backward; fsdp2 steps its shards in it)",
+    ),
+    Rule(
+        lambda k: bool(k.optimizer_in_backward) and k.engine == Engine.DEEPSPEED and _deepspeed_keeps_masters(k),
+        "strategy.optimizerInBackward on the deepspeed engine steps the model's own weights: it needs "
+        "strategy.masterWeights bf16 (DeepSpeed's mixed precision steps fp32 masters after the backward)",
     ),
     Rule(
         lambda k: (

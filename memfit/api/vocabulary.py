@@ -94,6 +94,9 @@ class Attention(StrEnum):
     SDPA = "sdpa"
     EAGER = "eager"
     FLASH = "flash"
+    FLEX = "flex"
+    """torch's ``flex_attention`` (transformers' ``flex_attention``): packed documents and padding become a
+    ``BlockMask`` of 128x128 tiles, not a dense mask. CUDA only: torch has no flex backward on the CPU."""
 
 
 class TrainOn(StrEnum):

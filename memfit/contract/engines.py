@@ -243,6 +243,10 @@ class DeepSpeedEngineSection(ApiModel):
     kind: Literal[Engine.DEEPSPEED] = Engine.DEEPSPEED
     config: dict[str, Any]
     """The DeepSpeed config, exactly as `memfit plan --emit-ds-config` renders it (see DeepSpeedSection)."""
+    optimizer_in_backward: Annotated[bool, Strict()] = False
+    """ZeRO-0 with the model's own bf16 weights: one client optimizer per parameter, stepped from its
+    post-accumulate-grad hook (after an all-reduce of its gradient over the ranks), the gradient then freed;
+    DeepSpeed's own all-reduce and step are skipped. Accumulation 1, no clipping."""
     _settings: DeepSpeedSection = PrivateAttr()
 
     @field_validator("config")
@@ -278,10 +282,6 @@ class DeepSpeedEngineSection(ApiModel):
     def builds_optimizer(self) -> bool:
         """Whether DeepSpeed builds the optimizer from ``config`` (else the trainer hands it a client one)."""
         return self._settings.optimizer is not None
-
-    @property
-    def optimizer_in_backward(self) -> bool:
-        return False  # only fsdp2's per-parameter hooks step in the backward pass
 
     @property
     def names_precision(self) -> bool:

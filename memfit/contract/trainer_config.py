@@ -118,6 +118,10 @@ class TrainerConfig(ApiModel):
         if t.chunked_loss and section.zero_stage == 3:
             problems.append("training.chunkedLoss reads the LM head's weight whole: it cannot run under ZeRO-3")
         problems += conflicts(replace(self.knobs(), **dict.fromkeys(SAID_IN_DEEPSPEED_TERMS)))  # the techniques' rules
+        if ds.optimizer is not None and section.optimizer_in_backward:
+            problems.append(
+                "deepspeed.optimizer must be absent with optimizerInBackward (memfit builds one per parameter)"
+            )
         if ds.optimizer is not None:
             built = DEEPSPEED_OPTIMIZER_TYPES[ds.optimizer.type.lower()]
             if built != t.optimizer:

@@ -26,7 +26,8 @@ recomputed layer's own; the one prefetched for the next layer), and ``host_bytes
 when the forward pass ends, in the pinned allocator's blocks (:func:`pinned_host_bytes`).
 
 Packed documents (or padded rows) make ``transformers`` build a ``(b, 1, s, s)`` attention mask for SDPA and
-eager attention, never for flash attention (:func:`attention_mask_bytes`, :func:`sdpa_mask`).
+eager attention, never for flash attention (:func:`attention_mask_bytes`, :func:`sdpa_mask`); flex attention
+gets a ``BlockMask`` of 128x128 tiles instead (:func:`flex_block_mask_bytes`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,11 @@ from memfit.memory.sizes import FP32
 from memfit.model_shape import ModelFamily, ModelShape, Role
 
 BOOL = 1
+INT32 = 4
 INT64 = 8
+FLEX_BLOCK = 128
+"""torch's ``flex_attention`` tile (``_DEFAULT_SPARSE_BLOCK_SIZE``): the ``BlockMask`` has one entry per
+128x128 tile of the score matrix."""
 LOSS_BYTES_PER_LOGIT = 3 * FP32
 """Log-softmax output (fp32) saved by cross-entropy, and the two fp32 gradients its backward makes."""
 LOSS_CHUNK_BYTES = 2**27
@@ -107,9 +112,10 @@ class ActivationEstimate:
 
 
 def uses_eager_attention(shape: ModelShape, setup: ActivationSetup) -> bool:
-    """Gemma 2 soft-caps attention scores, which SDPA cannot do: transformers runs it eagerly."""
+    """Gemma 2 soft-caps attention scores, which SDPA cannot do: transformers runs it eagerly (flash and flex
+    attention soft-cap inside the kernel)."""
     return setup.attention == Attention.EAGER or (
-        shape.family is ModelFamily.GEMMA2 and setup.attention != Attention.FLASH
+        shape.family is ModelFamily.GEMMA2 and setup.attention == Attention.SDPA
     )
 
 
@@ -122,12 +128,41 @@ def sdpa_mask(shape: ModelShape, setup: ActivationSetup) -> bool:
 def attention_mask_bytes(shape: ModelShape, setup: ActivationSetup) -> int:
     """The ``(b, 1, s, s)`` mask ``transformers`` builds once per forward: bool for SDPA, the compute dtype
     for eager attention (which builds it for every batch); none for flash attention (variable-length
-    boundaries instead). The decoder's forward holds it, and under checkpointing so does every layer's
-    recomputation, until the backward pass ends; without checkpointing it is gone before the loss."""
+    boundaries instead); flex attention's block mask (:func:`flex_block_mask_bytes`). The decoder's forward
+    holds it, and under checkpointing so does every layer's recomputation, until the backward pass ends;
+    without checkpointing it is gone before the loss, but for flex's (:func:`mask_outlives_forward`)."""
     mask = setup.micro_batch_size * setup.sequence_length**2
     if uses_eager_attention(shape, setup):
         return mask * setup.element_bytes
+    if setup.attention == Attention.FLEX:
+        return flex_block_mask_bytes(setup)
     return mask * BOOL if sdpa_mask(shape, setup) else 0
+
+
+def flex_block_mask_bytes(setup: ActivationSetup) -> int:
+    """What flex attention's mask holds (``transformers``' ``flex_attention_mask``, one per forward, shared by
+    every layer): torch's ``BlockMask`` of ``n = ceil(s / 128)`` tiles a side, one head (``H=None``) per row,
+    four int32 block counts of ``n`` (``kv_num_blocks``, ``full_kv_num_blocks``, ``q_num_blocks``,
+    ``full_q_num_blocks``) and four int32 index tables of ``n x n`` (``kv_indices``, ``full_kv_indices``,
+    ``q_indices``, ``full_q_indices``); with packed documents also the int64 document index per token that
+    its ``mask_mod`` reads (``find_packed_sequence_indices``)."""
+    tiles = -(-setup.sequence_length // FLEX_BLOCK)
+    block_mask = setup.micro_batch_size * 4 * (tiles + tiles**2) * INT32
+    documents = setup.tokens * INT64 if setup.masked_batches else 0
+    return block_mask + documents
+
+
+def flex_repeats_keys_and_values(shape: ModelShape) -> bool:
+    """``transformers``' flex path uses the kernel's native GQA only for a power-of-two number of query heads;
+    otherwise it repeats keys and values to every head (``repeat_kv``) before the call."""
+    heads = shape.num_attention_heads
+    return shape.kv_size != shape.q_size and heads & (heads - 1) != 0
+
+
+def mask_outlives_forward(setup: ActivationSetup) -> bool:
+    """Whether the attention mask is alive through the backward pass: the checkpointed layers' recomputation
+    reads it, and every flex attention call saves its ``BlockMask`` for its backward."""
+    return setup.gradient_checkpointing or setup.attention == Attention.FLEX
 
 
 def _rms_norm(shape: ModelShape, setup: ActivationSetup, output_kept: bool) -> int:
@@ -162,11 +197,14 @@ def _attention(shape: ModelShape, setup: ActivationSetup) -> int:
             scores += b * heads * s * s * w  # tanh of the soft-capped scores
         fused = t * (q + 2 * kv) * w if shape.family is ModelFamily.PHI3 else 0  # v is a view of it
         return fused + t * 3 * q * w + scores + t * q * w
-    lse = t * heads * FP32
+    flex = setup.attention == Attention.FLEX
+    # Flex's autograd op saves each row's and head's fp32 maximum score beside its log-sum-exp (traced). Its
+    # backward never reads it, so a compiled graph may drop it: at most 4 bytes per token and head over.
+    lse = t * heads * FP32 * (2 if flex else 1)
     masked = sdpa_mask(shape, setup)
     # With a mask, SDPA keeps its compute-dtype copy and keys and values repeated to every query head.
     mask = b * s * s * w if masked else 0
-    repeated = masked and kv != q
+    repeated = (masked and kv != q) or (flex and flex_repeats_keys_and_values(shape))
     if shape.family is ModelFamily.PHI3:
         # v is a view of the fused qkv output, which stays alive whole; RoPE's cat lays q out so
         # that the kernel's output (allocated like q) must be copied for o_proj. Repeating k replaces
@@ -321,7 +359,7 @@ def estimate_activations(shape: ModelShape, setup: ActivationSetup) -> Activatio
         kept, others, first_layer_input = layers * between, layers * between, between
     else:
         kept, others, first_layer_input = layers * per_layer, (layers - 1) * per_layer, 0
-    mask = attention_mask_bytes(shape, setup) if setup.gradient_checkpointing else 0
+    mask = attention_mask_bytes(shape, setup) if mask_outlives_forward(setup) else 0
     loss_moment = kept + mask + head_and_loss(shape, setup)
     one_layer = layer_backward_moment(shape, setup, per_layer, own_input) + mask
     layer_moment = others + one_layer

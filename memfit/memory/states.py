@@ -110,9 +110,14 @@ def _adafactor_bytes(tensor: tuple[int, ...]) -> int:
     return FP32 * (rows + columns) + ADAFACTOR_RMS_BYTES
 
 
+def shard_numel(tensor: tuple[int, ...], ranks: int) -> int:
+    """Elements of a rank's (largest) shard of ``tensor`` when FSDP2 splits its dim 0 over ``ranks``."""
+    return -(-tensor[0] // ranks) * math.prod(tensor[1:])
+
+
 @lru_cache(maxsize=1024)
 def _per_tensor_state_bytes(
-    shape: PlannedModel, method: Method, adapters: Adapters, optimizer: Optimizer, element_bytes: int
+    shape: PlannedModel, method: Method, adapters: Adapters, optimizer: Optimizer, element_bytes: int, ranks: int
 ) -> OptimizerStateBytes:
     device = paged = 0.0
     eight_bit = False
@@ -120,7 +125,7 @@ def _per_tensor_state_bytes(
         if optimizer == Optimizer.ADAFACTOR:
             device += count * _adafactor_bytes(tensor)
             continue
-        numel = math.prod(tensor)
+        numel = shard_numel(tensor, ranks)
         states = _tensor_state_bytes(optimizer, numel, element_bytes)
         device, paged = device + count * states.device, paged + count * states.paged
         eight_bit = eight_bit or (optimizer in EIGHT_BIT_OPTIMIZERS and numel >= EIGHT_BIT_MIN_SIZE)
@@ -134,13 +139,15 @@ def optimizer_state_bytes(
     optimizer: Optimizer,
     element_bytes: int,
     partition: float | None,
+    shards: int = 1,
 ) -> OptimizerStateBytes:
     """One rank's optimizer states (without master weights): for the flat ZeRO partition of ``partition``
-    elements, or (``None``, ZeRO-0) for every trained tensor. ``element_bytes`` is the width of what the
-    optimizer updates (4: fp32 masters or fp32 training; 2: bf16 masters), the dtype of Adam's and Lion's
-    states (``zeros_like(param)``)."""
+    elements, or (``None``) for every trained tensor, whole (ZeRO-0) or, with ``shards`` ranks, this rank's
+    FSDP2 shard of each (bitsandbytes steps each local shard: ``memfit_trainer.sharded_8bit``).
+    ``element_bytes`` is the width of what the optimizer updates (4: fp32 masters or fp32 training; 2: bf16
+    masters), the dtype of Adam's and Lion's states (``zeros_like(param)``)."""
     if partition is None:
-        return _per_tensor_state_bytes(shape, method, adapters, optimizer, element_bytes)
+        return _per_tensor_state_bytes(shape, method, adapters, optimizer, element_bytes, shards)
     if optimizer == Optimizer.ADAFACTOR:
         return OptimizerStateBytes(FP32 * partition + ADAFACTOR_RMS_BYTES)  # 1-d: not factored
     states = _tensor_state_bytes(optimizer, partition, element_bytes)

@@ -18,7 +18,7 @@ from typing import ClassVar
 from memfit.api.finetunejob import FineTuneJobSpec
 from memfit.api.gpupool import GPUPool, PoolCapacity, pool_capacity
 from memfit.api.plan import PlanCandidate, RejectedCandidate
-from memfit.api.vocabulary import Method, Offload, StepPhase
+from memfit.api.vocabulary import Attention, Method, Offload, StepPhase
 from memfit.planner.evaluated import Shortfall
 from memfit.planner.layouts import layouts
 from memfit.planner.report import Miss
@@ -43,10 +43,14 @@ class Untried:
     QLORA_NEEDS_BF16: ClassVar[str] = (
         "qlora computes in bf16 (the trainer refuses it in fp16 and fp32), which these GPUs lack"
     )
-    FLASH_NEEDS_AMPERE: ClassVar[str] = (
-        "strategy.attention flash is pinned, and flash-attention 2 runs only on Ampere or later GPUs, which these "
-        "are not (leave strategy.attention out: SDPA)"
-    )
+
+    @staticmethod
+    def kernel_not_run(attention: Attention, needs: str) -> str:
+        """A pinned attention kernel that needs GPUs the pool does not have."""
+        return (
+            f"strategy.attention {attention} is pinned, and {needs}, which these are not (leave strategy.attention "
+            "out: SDPA)"
+        )
 
     @staticmethod
     def no_layout(spec: FineTuneJobSpec) -> str:

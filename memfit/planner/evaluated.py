@@ -141,7 +141,8 @@ class Chosen:
 
     names: tuple[str, ...]
     without: int | None
-    """The largest micro-batch of the same knobs without them (None: nothing fits without)."""
+    """The largest micro-batch without them, of the same knobs or of as-fast ones (less offload or recomputation,
+    a lower ZeRO stage) on the same GPUs (None: nothing fits without)."""
     bf16_masters: bool
     """bf16 master weights, chosen because nothing fits with fp32 masters."""
 

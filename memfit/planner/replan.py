@@ -24,6 +24,7 @@ from memfit.api.vocabulary import Method, Precision
 from memfit.contract.layout import CheckpointLayout
 from memfit.planned_model import PlannedModel
 from memfit.planner.search import plan_job
+from memfit.units import GIB
 
 LEANER_BY = 0.10
 """A re-plan's estimated per-GPU memory must be at least this share below the failed plan's estimate
@@ -64,8 +65,40 @@ def replan_after_oom(
             "resources": resources.model_copy(update={"pool": strategy.pool, "max_gpus": strategy.gpus}),
         }
     )
-    kept = plan_job(same_layout, pools, exclude=excluded, model=model)
+    kept = only_leaner(plan_job(same_layout, pools, exclude=excluded, model=model), failed)
     if kept.chosen is not None and checkpoint_layout(kept.chosen) == checkpoint_layout(failed):
         return kept, True
-    result = plan_job(leaner, pools, exclude=excluded, model=model)
+    result = only_leaner(plan_job(leaner, pools, exclude=excluded, model=model), failed)
     return result, result.chosen is not None and checkpoint_layout(result.chosen) == checkpoint_layout(failed)
+
+
+def _share(plan: PlanCandidate) -> float:
+    return plan.memory.per_gpu.total / plan.gpu_memory_bytes
+
+
+def only_leaner(result: PlanResult, failed: PlanCandidate) -> PlanResult:
+    """``result`` without the plans whose estimate is not LEANER_BY below the failed plan's (as a share of
+    their GPU): the headroom says so alone except where MAX_HEADROOM_PERCENT caps it, after a plan that used
+    a sliver of a large GPU, when a plan as heavy as the failed one would otherwise fit the re-plan."""
+    bound = _share(failed) * (1 - LEANER_BY)
+    leaner = [plan for plan in result.candidates if _share(plan) <= bound]
+    if len(leaner) == len(result.candidates):
+        return result
+    heavy = next(plan for plan in result.candidates if _share(plan) > bound)
+    said = (
+        f"nearest miss: {heavy.strategy.summary()} (its estimate, {heavy.memory.per_gpu.total / GIB:.1f} GiB per "
+        f"GPU, is not {LEANER_BY:.0%} below the failed plan's {failed.memory.per_gpu.total / GIB:.1f} GiB)"
+    )
+    chosen = leaner[0] if leaner else None
+    why = result.why_chosen if chosen is result.chosen else None
+    if chosen is not None and why is None:
+        why = f"the fastest plan whose estimate is {LEANER_BY:.0%} below the failed plan's"
+    return result.model_copy(
+        update={
+            "chosen": chosen,
+            "why_chosen": why,
+            "candidates": leaner,
+            "feasible_count": len(leaner),
+            "advice": result.advice if leaner else [said, *result.advice],
+        }
+    )

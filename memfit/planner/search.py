@@ -3,21 +3,24 @@
 Order (:func:`plan_job`): every method the spec allows (all three for ``auto``), on every pool, over the pool's
 layouts (nodes x GPUs per node that divide the batch) with the most GPUs first, then each precision and
 engine, ZeRO stage and offload (:func:`_zero_options`: the combinations the rule table allows, without
-duplicates), with and without recomputation. For each such knob combination the largest micro-batch that
-fits is found (:func:`_largest_fitting_micro_batch`: the no-accumulation micro-batch, then the smallest, then
-a bisection between them), plain first, then with the memory-saving techniques (:mod:`memfit.api.techniques`,
-cheapest first), which are kept only where they fit a larger micro-batch (:func:`_fit_knobs`). Master weights
-stay fp32 unless pinned: bf16 masters change the numerics, so a second pass plans them only where nothing
-fits with fp32.
+duplicates, lightest first: :func:`_stage_order`), with and without recomputation. For each such knob
+combination the largest micro-batch that fits is found (:func:`_largest_fitting_micro_batch`: the
+no-accumulation micro-batch, then the smallest, then a bisection between them), plain first, then with the
+memory-saving techniques (:mod:`memfit.api.techniques`), each kept where it fits a larger micro-batch than
+plain (:func:`_fit_knobs`). Master weights stay fp32 unless pinned: bf16 masters change the numerics, so a
+second pass plans them only where nothing fits with fp32.
 
-Pruning, none of which can drop a plan the report would show:
+Pruning, none of which can drop a plan the report would show (``tests/test_search_never_misses.py`` checks
+that no pinned plan is faster than the unpinned search's):
 
-* options another one dominates outright (:func:`_dominated`): NVMe offload where CPU offload fits,
-  recomputation, offload or a higher ZeRO stage where a lighter option fits the largest micro-batch;
+* what another option dominates (:func:`_to_beat`): NVMe offload where the host holds CPU offload's states;
+  recomputation, offload or a higher ZeRO stage at micro-batches an as-fast option fits without techniques
+  (one that needs a technique to fit them pays for it, and may be slower), and so anywhere it fits the largest;
 * knob combinations whose best case (largest micro-batch, no accumulation) is slower than MAX_CANDIDATES
   plans of the method already found (:meth:`_Search.outpaced`);
-* techniques where the model states alone overflow (they shrink activations and gradients only), or where
-  even all of them together fit no larger micro-batch;
+* techniques where the model states alone overflow (they shrink activations and gradients only), where even
+  all of them together fit no larger micro-batch, and any variant that adds a technique to one that already
+  fits the largest micro-batch (a technique only costs);
 * below a group's nearest miss, only the nearest miss of each pool x layout x method is kept.
 
 The report (ranking, the techniques worth their cost, why the first won) is :mod:`memfit.planner.report`;
@@ -40,7 +43,6 @@ from memfit.api.knobs import conflicts as knob_conflicts
 from memfit.api.plan import PlanCandidate, PlanResult, Strategy
 from memfit.api.techniques import TECHNIQUES
 from memfit.api.vocabulary import (
-    Attention,
     Engine,
     MasterWeights,
     Method,
@@ -55,6 +57,7 @@ from memfit.memory.profiled_activations import model_activations
 from memfit.memory.setup import LoraSettings, StaticSetup
 from memfit.planned_model import PlannedModel, lora_dropout
 from memfit.planner.advice import Untried, advise
+from memfit.planner.attention import KERNEL_NEEDS, planned_attention, runs_attention
 from memfit.planner.evaluated import Chosen, Evaluated, Fit, shortfall_ratio
 from memfit.planner.layouts import layouts
 from memfit.planner.report import (
@@ -77,6 +80,19 @@ class PlanningError(ValueError):
 
 Variant = tuple[bool, ...]
 """Whether each of TECHNIQUES is on, in their order."""
+_KnobKey = tuple[int, Offload, Offload, bool]
+"""ZeRO stage, optimizer offload, parameter offload, recomputation: what :func:`_to_beat` compares."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Largest:
+    """The largest micro-batch one knob combination fits (None: none): as it is, and with the techniques the
+    search may add."""
+
+    plain: int | None
+    any: int | None
+    host_short: bool
+    """Its model states overflow the host (only there can NVMe offload fit what CPU offload does not)."""
 
 
 def _with_techniques(template: Strategy, variant: Variant) -> Strategy:
@@ -101,7 +117,7 @@ class _Search:
     options: dict[
         tuple[PlannedMethod, PlannedPrecision, bool, bool, Engine], tuple[tuple[int, Offload, Offload], ...]
     ] = field(default_factory=dict)
-    variants: dict[tuple[int, bool, Engine], list[Variant]] = field(default_factory=dict)
+    variants: dict[tuple[int, bool, Engine, PlannedPrecision], list[Variant]] = field(default_factory=dict)
     fastest: dict[str, list[float]] = field(default_factory=dict)
     """Per method, a min-heap of the MAX_CANDIDATES best speeds of plans without techniques found so far:
     knobs whose best case is slower than all of them cannot be reported, and are not evaluated."""
@@ -127,15 +143,19 @@ class _Search:
             options = self.options[inputs] = tuple(_zero_options(self, *inputs))
         return options
 
-    def technique_variants(self, zero_stage: int, checkpointing: bool, engine: Engine) -> list[Variant]:
+    def technique_variants(
+        self, zero_stage: int, checkpointing: bool, engine: Engine, precision: PlannedPrecision
+    ) -> list[Variant]:
         """_technique_variants of these knobs, once per distinct input (its arguments are the key)."""
-        inputs = (zero_stage, checkpointing, engine)
+        inputs = (zero_stage, checkpointing, engine, precision)
         variants = self.variants.get(inputs)
         if variants is None:
             knobs = Knobs(
                 zero_stage=zero_stage,
                 gradient_checkpointing=checkpointing,
                 engine=engine,
+                precision=precision,
+                master_weights=self.master_weights,
                 clips_gradients=self.spec.training.max_grad_norm > 0,
             )
             variants = self.variants[inputs] = _technique_variants(self.spec, knobs, self.shape)
@@ -239,19 +259,14 @@ def selected_pools(spec: FineTuneJobSpec, pools: Sequence[GPUPool]) -> list[Pool
     if not selected:
         names = ", ".join(p.metadata.name for p in pools)
         raise PlanningError(f"resources.pool {wanted!r} is not a declared GPUPool; declared pools: {names}")
-    if spec.strategy.attention == Attention.FLASH and not any(_runs_flash(capacity) for capacity in selected):
+    pinned = spec.strategy.attention
+    if pinned in KERNEL_NEEDS and not any(runs_attention(pinned, capacity) for capacity in selected):
         products = ", ".join(sorted({f"{capacity.name} ({capacity.product})" for capacity in selected}))
         raise PlanningError(
-            f"strategy.attention flash: flash-attention 2 runs only on Ampere or later GPUs, and no pool the job may "
-            f"use has them: {products}; leave strategy.attention out (SDPA)"
+            f"strategy.attention {pinned}: {KERNEL_NEEDS[pinned]}, and no pool the job may use has them: {products}; "
+            "leave strategy.attention out (SDPA)"
         )
     return selected
-
-
-def _runs_flash(capacity: PoolCapacity) -> bool:
-    """flash-attention 2's kernels need Ampere or later, which is also where bf16 tensor cores came (a CPU pool
-    has neither)."""
-    return capacity.bf16 and not capacity.cpu_only
 
 
 def _search(
@@ -324,16 +339,23 @@ def _method_refused(search: _Search, method: PlannedMethod) -> bool:
 
 
 def _pinned_conflicts(search: _Search, method: PlannedMethod) -> bool:
-    """Whether the spec's pinned knobs rule ``method`` out under every ZeRO stage, recording why: the
-    conflicts that hold whatever the stage if there are any, else each stage's."""
+    """Whether the spec's pinned knobs rule ``method`` out under every ZeRO stage on every engine, recording
+    why: the conflicts that hold whatever the stage and engine if there are any, else each combination's."""
     pinned = replace(search.pinned, method=method)
     stages = [pinned.zero_stage] if pinned.zero_stage is not None else [0, 1, 2, 3]
-    per_stage = [knob_conflicts(replace(pinned, zero_stage=stage)) for stage in stages]
-    if not all(per_stage):
+    per_choice = [
+        knob_conflicts(replace(pinned, zero_stage=stage, engine=engine))
+        for stage, engine in itertools.product(stages, _engines(pinned.engine))
+    ]
+    if not all(per_choice):
         return False
-    causes = knob_conflicts(pinned) or [cause for stage_causes in per_stage for cause in stage_causes]
+    causes = knob_conflicts(pinned) or list(dict.fromkeys(cause for causes in per_choice for cause in causes))
     search.untried.update(Untried(pool=None, method=method, cause=cause) for cause in causes)
     return True
+
+
+def _engines(pinned: Engine | None) -> list[Engine]:
+    return [pinned] if pinned is not None else [Engine.FSDP2, Engine.DEEPSPEED]
 
 
 def _precisions(search: _Search, capacity: PoolCapacity, method: PlannedMethod) -> list[PlannedPrecision]:
@@ -360,20 +382,16 @@ def _zero_options(
     engine: Engine,
 ) -> Iterator[tuple[int, Offload, Offload]]:
     """(stage, optimizer offload, parameter offload) combinations that run as planned on ``engine`` (the rule
-    table allows them), without the ones that duplicate another: with several GPUs ZeRO-1 communicates as
-    much as ZeRO-0 and holds less; on one GPU DeepSpeed partitions nothing, so its stages differ only by
-    what they offload (FSDP2's still differ: resharding after forward frees the gathered copies)."""
+    table allows them), in :func:`_stage_order`, without the ones that duplicate another: on one GPU DeepSpeed
+    partitions nothing, so its stages differ only by what they offload (FSDP2's still differ: resharding after
+    forward frees the gathered copies). Adapters' optimizer states are offloaded too: the pruning drops it
+    where a lighter option fits, and on fsdp2 it is how the base's weights go to the host."""
     pinned = search.spec.strategy
-    stages = [pinned.zero_stage] if pinned.zero_stage is not None else [0, 1, 2, 3]
+    stages = [pinned.zero_stage] if pinned.zero_stage is not None else _stage_order(engine, single_gpu)
     devices = [Offload.NONE, Offload.CPU] + ([Offload.NVME] if has_nvme else [])
     knobs = replace(search.pinned, method=method, precision=precision, engine=engine)
     for stage in stages:
-        if pinned.zero_stage is None and engine == Engine.DEEPSPEED and (stage == 2 if single_gpu else stage == 0):
-            continue
         for opt in _pinned_or(pinned.offload_optimizer, devices):
-            # Adapters' states are too small to be worth moving (unless the spec says so).
-            if opt != Offload.NONE and method != Method.FULL and pinned.offload_optimizer is None:
-                continue
             for params in _pinned_or(pinned.offload_parameters, devices if stage == 3 else [Offload.NONE]):
                 if knob_conflicts(replace(knobs, zero_stage=stage, offload_optimizer=opt, offload_parameters=params)):
                     continue
@@ -385,6 +403,16 @@ def _zero_options(
                 )
                 if not single_gpu_duplicate:
                     yield stage, opt, params
+
+
+def _stage_order(engine: Engine, single_gpu: bool) -> list[int]:
+    """The ZeRO stages to try, in the order :func:`_to_beat` needs (what may prune an option comes first).
+    DeepSpeed on one GPU partitions nothing: ZeRO-2 is ZeRO-1. On several, ZeRO-1 comes before ZeRO-0: they
+    communicate alike and ZeRO-1 mostly holds less, but not always (where few parameters train, its buckets
+    outweigh what it partitions), so ZeRO-0 is tried where ZeRO-1 falls short of the largest micro-batch."""
+    if engine == Engine.DEEPSPEED:
+        return [0, 1, 3] if single_gpu else [1, 0, 2, 3]
+    return [0, 1, 2, 3]
 
 
 def _pinned_or(pinned: Offload | None, options: list[Offload]) -> list[Offload]:
@@ -401,17 +429,19 @@ def _micro_batches(spec: FineTuneJobSpec, per_gpu_batch: int) -> list[int]:
 
 def _search_pool(search: _Search, capacity: PoolCapacity, method: PlannedMethod) -> None:
     spec = search.spec
-    if spec.strategy.attention == Attention.FLASH and not _runs_flash(capacity):
-        search.untried.add(Untried(pool=capacity.name, method=None, cause=Untried.FLASH_NEEDS_AMPERE))
+    pinned_attention = spec.strategy.attention
+    if pinned_attention in KERNEL_NEEDS and not runs_attention(pinned_attention, capacity):
+        cause = Untried.kernel_not_run(pinned_attention, KERNEL_NEEDS[pinned_attention])
+        search.untried.add(Untried(pool=capacity.name, method=None, cause=cause))
         return
     precisions = _precisions(search, capacity, method)
     if not precisions:
         return
     limit = int(capacity.gpu_memory_bytes * (1 - spec.resources.memory_headroom_percent / 100))
-    attention = spec.strategy.attention or search.shape.default_attention
+    attention = pinned_attention or planned_attention(search.shape, capacity, search.sequence_length)
     pinned_ckpt = spec.strategy.gradient_checkpointing
     checkpointing = [pinned_ckpt] if pinned_ckpt is not None else [False, True]
-    engines = [spec.strategy.engine] if spec.strategy.engine is not None else [Engine.FSDP2, Engine.DEEPSPEED]
+    engines = _engines(spec.strategy.engine)
     batch = spec.training.global_batch_size
     tried = False
     # Most GPUs first: their faster plans raise the bar (search.outpaced) for the slower ones early.
@@ -422,12 +452,14 @@ def _search_pool(search: _Search, capacity: PoolCapacity, method: PlannedMethod)
             continue
         tried = True
         for precision, engine in itertools.product(precisions, engines):
-            fitted: dict[tuple[int, Offload, Offload, bool], int] = {}  # knobs -> largest micro-batch that fits
+            evaluated: dict[_KnobKey, _Largest] = {}
             options = search.zero_options(method, precision, capacity, nodes * per_node, engine)
             for stage, opt, params in options:
                 for ckpt in checkpointing:
-                    variants = search.technique_variants(stage, ckpt, engine)
-                    if not variants or (fitted and _dominated(fitted, stage, opt, params, ckpt, micro_batches[0])):
+                    variants = search.technique_variants(stage, ckpt, engine, precision)
+                    to_beat = _to_beat(evaluated, (stage, opt, params, ckpt), micro_batches[0])
+                    worth = [micro for micro in micro_batches if micro > to_beat]
+                    if not variants or not worth:
                         continue
                     knobs = Strategy(
                         method=method,
@@ -449,9 +481,9 @@ def _search_pool(search: _Search, capacity: PoolCapacity, method: PlannedMethod)
                     plain = _with_techniques(knobs, variants[0])
                     if search.outpaced(plain, micro_batches[0], capacity):
                         continue
-                    micro = _fit_knobs(search, capacity, limit, plain, variants[1:], micro_batches, per_gpu_batch)
-                    if micro is not None:
-                        fitted[(stage, opt, params, ckpt)] = micro
+                    evaluated[(stage, opt, params, ckpt)] = _fit_knobs(
+                        search, capacity, limit, plain, variants[1:], worth, per_gpu_batch, to_beat
+                    )
     if not tried:
         search.untried.add(Untried(pool=capacity.name, method=None, cause=Untried.no_layout(spec)))
 
@@ -484,35 +516,56 @@ def _fit_knobs(
     variants: list[Variant],
     micro_batches: list[int],
     per_gpu_batch: int,
-) -> int | None:
-    """The largest micro-batch one knob combination fits, recording the fits: ``plain`` first, then each
-    technique variant (chunked loss, activation offloading, optimizer in backward), only where the ones before
-    it fall short of the largest micro-batch, recorded only where it fits a larger one: a technique is chosen
-    where it makes a plan fit, or a faster one. They shrink activations and gradients, neither of which is in
-    the model states' floor, so none is tried where the floor does not fit."""
+    to_beat: int,
+) -> _Largest:
+    """The largest of ``micro_batches`` (those above ``to_beat``, what an as-fast option fits) one knob
+    combination fits, recording the fits: ``plain`` first, then, where it falls short of the largest
+    micro-batch, each technique variant (chunked loss, activation offloading, optimizer in backward) but those
+    that add a technique to one that fits the largest, recorded where it fits a larger micro-batch than
+    ``plain`` and ``to_beat``: a technique is chosen where it makes a plan fit, or a faster one (which of two
+    variants is faster depends on the job: the report ranks them). They shrink activations and gradients,
+    neither of which is in the model states' floor, so none is tried where the floor does not fit."""
     bf16_masters = plain.master_weights == MasterWeights.BF16 and search.spec.strategy.master_weights is None
     best = _largest_fitting_micro_batch(search, capacity, limit, plain, micro_batches, per_gpu_batch,
                                         chosen=Chosen((), None, bf16_masters) if bf16_masters else None)  # fmt: skip
+    without = _Largest(best, best, _host_short(search, capacity, plain))
     if best == micro_batches[0] or not variants or _states_short(search, capacity, limit, plain):
-        return best
+        return without
     larger = [micro for micro in micro_batches if micro > (best or 0)]
-    if not _fits_gpu(search, limit, _with_techniques(plain, variants[-1]), larger[-1], per_gpu_batch):
-        return best  # not even every technique together fits a larger micro-batch (they only save GPU memory)
-    without = best
+    every_technique = _with_techniques(plain, variants[-1])
+    # The larger micro-batches that need the least: the smallest, and the one without accumulation (which keeps
+    # no gradients alive between micro-batches: it can need less than a smaller one that accumulates).
+    if not any(_fits_gpu(search, limit, every_technique, micro, per_gpu_batch) for micro in {larger[0], larger[-1]}):
+        return without  # not even every technique together fits a larger micro-batch (they only save GPU memory)
+    before = max(best or 0, to_beat)  # the largest micro-batch without techniques, of these knobs or as-fast ones
+    reached: list[Variant] = []  # variants that fit the largest micro-batch: adding a technique to one only costs
     for techniques in variants:
+        if any(_includes(techniques, other) for other in reached):
+            continue
         variant = _with_techniques(plain, techniques)
-        added = Chosen(_added_techniques(plain, variant), without, bf16_masters)
+        added = Chosen(_added_techniques(plain, variant), before or None, bf16_masters)
         micro = _largest_fitting_micro_batch(search, capacity, limit, variant, micro_batches, per_gpu_batch,
-                                             must_beat=best or 0, chosen=added)  # fmt: skip
-        best = micro if micro is not None else best
-        if best == micro_batches[0]:
-            break
-    return best
+                                             must_beat=before, chosen=added)  # fmt: skip
+        best = max(best or 0, micro or 0) or None
+        if micro == micro_batches[0]:
+            reached.append(techniques)
+    return replace(without, any=best)
+
+
+def _includes(variant: Variant, other: Variant) -> bool:
+    """Whether ``variant`` has every technique ``other`` has (and so costs at least as much)."""
+    return all(on or not other_on for on, other_on in zip(variant, other, strict=True))
 
 
 def _fits_gpu(search: _Search, limit: int, template: Strategy, micro: int, per_gpu_batch: int) -> bool:
     static = search.static_memory(template)
     return step_total(static, search.activation_estimate(template, micro), per_gpu_batch // micro) <= limit
+
+
+def _host_short(search: _Search, capacity: PoolCapacity, template: Strategy) -> bool:
+    """Whether the host (CPU memory or NVMe) cannot hold the model states it is given, whatever the micro-batch."""
+    static = search.static_memory(template)
+    return shortfall_ratio(0, static.cpu_per_node, static.nvme_per_node, 1, capacity) > 1
 
 
 def _states_short(search: _Search, capacity: PoolCapacity, limit: int, template: Strategy) -> bool:
@@ -529,24 +582,38 @@ def _added_techniques(plain: Strategy, variant: Strategy) -> tuple[str, ...]:
     )
 
 
-def _dominated(fitted: dict[tuple[int, Offload, Offload, bool], int], stage: int, opt: Offload, params: Offload,
-               ckpt: bool,
-               largest_micro: int) -> bool:  # fmt: skip
-    """Options that can only be slower than one that already fits: NVMe offload where CPU offload fits
-    (same GPU memory, slower traffic); and, where a lighter option fits the largest micro-batch (nothing
-    to gain in memory), recomputation, any offload, or a higher ZeRO stage (more communication, or as much
-    where accumulation does not multiply it)."""
-    if opt == Offload.NVME and (stage, Offload.CPU, params, ckpt) in fitted:
-        return True
-    if params == Offload.NVME and (stage, opt, Offload.CPU, ckpt) in fitted:
-        return True
-    lighter = [(stage, opt, params, False)] if ckpt else []
-    if opt != Offload.NONE:
-        lighter.append((stage, Offload.NONE, params, ckpt))
-    if params != Offload.NONE:
-        lighter.append((stage, opt, Offload.NONE, ckpt))
-    lighter += [(lower, opt, Offload.NONE, ckpt) for lower in range(1, stage)]
-    return any(fitted.get(knobs) == largest_micro for knobs in lighter)
+def _to_beat(evaluated: dict[_KnobKey, _Largest], knobs: _KnobKey, largest_micro: int) -> int:
+    """The micro-batch ``knobs`` must fit more than to give a plan worth having (0: any; ``largest_micro``:
+    none can). NVMe offload where CPU offload was tried and the host held its states: none (same GPU memory,
+    slower traffic). Else the largest that an as-fast option fits without techniques (:func:`_as_fast`): at
+    that micro-batch or below, more recomputation, offload or a higher ZeRO stage can only be slower (one that
+    needs a technique pays for it, and may be slower than ``knobs`` without)."""
+    stage, opt, params, ckpt = knobs
+    on_cpu = [(stage, Offload.CPU, params, ckpt)] if opt == Offload.NVME else []
+    on_cpu += [(stage, opt, Offload.CPU, ckpt)] if params == Offload.NVME else []
+    if any(key in evaluated and not evaluated[key].host_short for key in on_cpu):
+        return largest_micro
+    as_fast = [largest.plain or 0 for other, largest in evaluated.items() if other != knobs and _as_fast(other, knobs)]
+    return max(as_fast, default=0)
+
+
+_OFFLOAD_COST = {Offload.NONE: 0, Offload.CPU: 1, Offload.NVME: 2}
+"""Offload devices by what they cost in time (NVMe adds its traffic to CPU offload's)."""
+
+
+def _as_fast(other: _KnobKey, knobs: _KnobKey) -> bool:
+    """Whether ``other`` is at least as fast as ``knobs`` at the same micro-batch: no recomputation or offload
+    (or slower offload) that ``knobs`` does not have, and a stage that communicates no more (a lower one;
+    ZeRO-1 for ZeRO-0)."""
+    stage, opt, params, ckpt = knobs
+    other_stage, other_opt, other_params, other_ckpt = other
+    as_fast_stage = other_stage <= stage or (stage, other_stage) == (0, 1)
+    return (
+        as_fast_stage
+        and _OFFLOAD_COST[other_opt] <= _OFFLOAD_COST[opt]
+        and _OFFLOAD_COST[other_params] <= _OFFLOAD_COST[params]
+        and other_ckpt <= ckpt
+    )
 
 
 def _largest_fitting_micro_batch(
@@ -570,7 +637,7 @@ def _largest_fitting_micro_batch(
     static = search.static_memory(template)
     trainable = static.trainable
     if must_beat is not None:
-        if shortfall_ratio(0, static.cpu_per_node, static.nvme_per_node, 1, capacity) > 1:
+        if _host_short(search, capacity, template):
             return None  # the host falls short whatever the micro-batch: the plain attempt recorded the miss
         micro_batches = [micro for micro in micro_batches if micro > must_beat]  # only these can be recorded
 

@@ -65,7 +65,7 @@ def deepspeed_config(spec: FineTuneJobSpec, strategy: Strategy, model: PlannedMo
     section = precision_section(strategy.precision, strategy.master_weights, strategy.zero_stage)
     if section is not None:
         config[str(strategy.precision)] = section
-    if strategy.optimizer in DEEPSPEED_OPTIMIZERS:
+    if strategy.optimizer in DEEPSPEED_OPTIMIZERS and not strategy.optimizer_in_backward:
         config["optimizer"] = {
             "type": DEEPSPEED_OPTIMIZERS[strategy.optimizer],
             "params": {

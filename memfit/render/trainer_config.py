@@ -165,7 +165,9 @@ def render_trainer_config(
             lora=LoraConfig.model_validate({**spec.lora.model_dump(), "dropout": dropout}),
         ),
         output_dir=inside(mounts.output, spec.output.path),
-        engine=DeepSpeedEngineSection(config=deepspeed_config(spec, strategy, planned))
+        engine=DeepSpeedEngineSection(
+            config=deepspeed_config(spec, strategy, planned), optimizer_in_backward=strategy.optimizer_in_backward
+        )
         if strategy.engine == Engine.DEEPSPEED
         else fsdp2_config(strategy),
         prediction=PredictionConfig(

@@ -432,8 +432,9 @@ def _environment(job: FineTuneJob, plan: PlanCandidate, pool: GPUPool) -> list[d
 
 
 def resources(plan: PlanCandidate, pool: GPUPool) -> dict[str, dict[str, str]]:
-    """GPUs, CPU and memory of one node rank. Memory: the plan's host memory of the node (offloaded states,
-    model loading, each rank's runtime; on a CPU pool also the ranks' memory, and no GPU) as the request; the
+    """GPUs, CPU and memory of one node rank. Memory: the plan's host memory of the node (offloaded states, with
+    the buffers DeepSpeed pins as the pinned allocator rounds them: the cgroup is charged for them and cannot
+    swap them; model loading, each rank's runtime; on a CPU pool also the ranks' memory, and no GPU) as the request; the
     limit a quarter above it, never above the node's declared memory. CPU: the pool's cores per rank, else by
     the plan's offload; the limit twice that."""
     strategy = plan.strategy

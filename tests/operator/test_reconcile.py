@@ -695,7 +695,8 @@ def test_oom_replans_keep_the_checkpoint_layout_until_only_another_layout_is_lea
     old, new, message, decision = changed
     assert attempt > 1, "the first re-plan keeps the layout: it exists for the example plan"
     was = f"full bf16 ZeRO-{old.strategy.zero_stage} on {old.strategy.gpus} GPU(s)"
-    now = f"full bf16 ZeRO-{new.strategy.zero_stage} on {new.strategy.gpus} GPU(s)"
+    now = (f"full bf16 ZeRO-{new.strategy.zero_stage} on {new.strategy.gpus} GPU(s)"
+           if new.strategy.engine == "deepspeed" else "full bf16 on fsdp2 (any GPU count)")  # fmt: skip
     converted = f"the checkpoint layout changes ({was} -> {now}): resuming from the last checkpoint, converted"
     assert converted in message
     assert decision.status.attempts[-1].resumed_from_step == 10 * attempt
@@ -768,10 +769,10 @@ def test_max_replans_zero_fails_on_the_first_oom(cluster: FakeCluster) -> None:
 
 
 def test_an_oom_with_no_leaner_plan_fails_with_advice() -> None:
-    # The leanest strategy there is on 8 GPUs (ZeRO-3, everything offloaded, checkpointing, activations on the
-    # host, micro-batch 1).
-    pinned = {"zeroStage": 3, "offloadOptimizer": "cpu", "offloadParameters": "cpu", "gradientCheckpointing": True,
-              "activationOffloading": True}  # fmt: skip
+    # The leanest strategy there is on 8 GPUs (fsdp2 ZeRO-3, everything offloaded, checkpointing, activations on
+    # the host, the chunked loss, micro-batch 1).
+    pinned = {"engine": "fsdp2", "zeroStage": 3, "offloadOptimizer": "cpu", "offloadParameters": "cpu",
+              "gradientCheckpointing": True, "activationOffloading": True, "chunkedLoss": True}  # fmt: skip
     document = job_document(method="full", strategy=pinned, resources={"pool": "a100-80gb", "maxGPUs": 8})
     document["spec"]["training"].update(globalBatchSize=8, precision="bf16")
     cluster = FakeCluster(document)

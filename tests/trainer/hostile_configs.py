@@ -268,6 +268,7 @@ HOSTILE: tuple[Hostile, ...] = (
     Hostile("string-for-list", setting("training.lora.targetModules", "all-linear"), "targetModules"),
     Hostile("string-port", setting("metrics.port", "9400"), "metrics.port"),
     Hostile("unknown-precision", setting("training.precision", "fp8"), "training.precision"),
+    Hostile("flex-on-cpu", setting("training.attention", "flex"), "flex_attention has no backward pass on the CPU"),
     Hostile("planned-method-auto", setting("training.method", "auto"), "training.method"),
     # --- numbers out of range: zero, negative, huge, infinite, NaN
     Hostile("zero-micro-batch", setting("training.microBatchSize", 0), "training.microBatchSize"),
@@ -415,7 +416,7 @@ HOSTILE: tuple[Hostile, ...] = (
     Hostile("fsdp2-reshard-as-a-string", fsdp2(reshardAfterForward="true"), "reshardAfterForward"),
     Hostile("fsdp2-unknown-key", fsdp2(shardDegree=2), "shardDegree"),
     Hostile("fsdp2-fp16-reduce", fsdp2(reduceDtype="fp16"), "reduceDtype"),
-    Hostile("fsdp2-8bit-optimizer", fsdp2(training__optimizer="adamw8bit"), "deepspeed engine"),
+    Hostile("fsdp2-adafactor-optimizer", fsdp2(training__optimizer="adafactor"), "deepspeed engine"),
     Hostile("fsdp2-fp16", fsdp2(training__precision="fp16"), "loss scaling"),
     Hostile("fsdp2-lion", fsdp2(training__optimizer="lion"), "lion"),
     # --- files that are not a config

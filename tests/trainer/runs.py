@@ -49,7 +49,11 @@ def deepspeed_config(
     learning_rate: float,
     world_size: int = WORLD_SIZE,
     master_weights: str = "fp32",
+    max_grad_norm: float = 1.0,
+    client_optimizers: bool = False,
 ) -> dict[str, Any]:
+    """As memfit.render.deepspeed renders it; ``client_optimizers``: the trainer builds every optimizer (one per
+    parameter with the step in backward), DeepSpeed none."""
     zero: dict[str, Any] = {"stage": stage}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -57,14 +61,14 @@ def deepspeed_config(
         "train_batch_size": MICRO_BATCH * world_size,
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
+        "gradient_clipping": max_grad_norm,
         "steps_per_print": 2**31 - 1,
         "zero_optimization": zero,
     }
     precision = precision_section(Precision.BF16, MasterWeights(master_weights), stage)
     if precision is not None:  # none for bf16 masters at ZeRO-0: the optimizer updates the bf16 weights
         config["bf16"] = precision
-    if optimizer == "adamw":
+    if optimizer == "adamw" and not client_optimizers:
         config["optimizer"] = {"type": "AdamW", "params": {"lr": learning_rate, "weight_decay": 0.0}}
     else:
         config["zero_allow_untested_optimizer"] = True
@@ -109,8 +113,9 @@ def make_config(
         )
     else:
         deepspeed = deepspeed_config(stage, offload=offload, optimizer=optimizer, learning_rate=learning_rate,
-                                     world_size=world_size, master_weights=master_weights)  # fmt: skip
-        section = DeepSpeedEngineSection(config=deepspeed)
+                                     world_size=world_size, master_weights=master_weights, max_grad_norm=max_grad_norm,
+                                     client_optimizers=optimizer_in_backward)  # fmt: skip
+        section = DeepSpeedEngineSection(config=deepspeed, optimizer_in_backward=optimizer_in_backward)
     return TrainerConfig(
         job=f"test/{name}",
         model=ModelConfig(name_or_path="tiny-llama", random_init=True, architecture=TINY_LLAMA),

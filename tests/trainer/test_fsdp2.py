@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,14 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
 from memfit.contract.termination import completed_progress
-from tests.trainer.runs import TINY_LLAMA, assert_same_final_weights, logged_losses, make_config, write_config
+from tests.trainer.runs import (
+    TINY_LLAMA,
+    assert_same_final_weights,
+    logged_losses,
+    make_config,
+    run_trainer,
+    write_config,
+)
 from tests.trainer.test_training import RESUME_EVERY, assert_learned, kill_after_first_checkpoint_and_resume, train_ok
 
 pytestmark = pytest.mark.distributed
@@ -33,6 +41,14 @@ STEPS = 16
 FULL = dict(engine="fsdp2", method="full", stage=3, offload=False, max_steps=STEPS, checkpoint_every=RESUME_EVERY)
 IN_BACKWARD = {**FULL, "optimizer_in_backward": True, "max_grad_norm": 0.0}
 QLORA = {**FULL, "method": "qlora", "learning_rate": 1e-2}
+EIGHT_BIT: dict[str, Any] = {
+    **IN_BACKWARD,
+    "optimizer": "paged_adamw8bit",
+    "master_weights": "bf16",
+    "chunked_loss": True,
+}
+"""torchtune's single-GPU full fine-tune: pure bf16, bitsandbytes' paged 8-bit AdamW stepped in backward, the
+chunked loss (here under ZeRO-3: the root, the head's group, gathered again for the loss)."""
 FINAL_WEIGHTS = {"full": "model.safetensors", "qlora": "adapter_model.safetensors"}
 LAYOUT = {"engine": "fsdp2", "method": "full", "precision": "bf16", "worldSize": 0, "zeroStage": 0}
 
@@ -66,8 +82,19 @@ def qlora_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int,
     return train_ok(tmp_path_factory.mktemp("fsdp2-qlora"), **QLORA)
 
 
-RUNS = {"full": ("full_run", FULL), "in-backward": ("in_backward_run", IN_BACKWARD), "qlora": ("qlora_run", QLORA)}
-"""A reference run's fixture and options, by test id."""
+@pytest.fixture(scope="module")
+def eight_bit_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, float], str]:
+    """bf16 parameters, paged 8-bit AdamW per parameter stepped in the backward pass."""
+    return train_ok(tmp_path_factory.mktemp("fsdp2-8bit"), **EIGHT_BIT)
+
+
+RESHARDABLE = {
+    "full": ("full_run", FULL),
+    "in-backward": ("in_backward_run", IN_BACKWARD),
+    "qlora": ("qlora_run", QLORA),
+}
+"""A reference run's fixture and options, by test id: runs whose checkpoints load into any world size."""
+RUNS = {**RESHARDABLE, "8-bit-in-backward": ("eight_bit_run", EIGHT_BIT)}
 
 
 def test_optimizer_in_backward_learns_as_an_unclipped_run_does(
@@ -161,6 +188,39 @@ def test_bf16_masters_keep_bf16_parameters_and_optimizer_states(tmp_path: Path) 
     assert marker(output, "full-bf16-fsdp2-bf16masters", 8)["layout"] == {**LAYOUT, "masterWeights": "bf16"}
 
 
+def test_8bit_adamw_in_backward_computes_what_its_step_after_backward_does(
+    tmp_path: Path, eight_bit_run: tuple[Path, dict[int, float], str]
+) -> None:
+    """bitsandbytes' kernel on each local shard, stepped from the hooks, is the same arithmetic per parameter
+    as one 8-bit AdamW stepped after the backward: the same losses and bit-identical weights. The checkpoint
+    holds 8-bit states (and their absmaxes) for shards of at least 4096 elements, fp32 ones below."""
+    output, losses, _ = eight_bit_run
+    assert_learned(losses, STEPS, margin=1.0)
+    after_output, after, _ = train_ok(tmp_path, **{**EIGHT_BIT, "optimizer_in_backward": False})
+    assert losses == after
+    assert_same_final_weights(output, after_output)
+    dtypes = dcp_dtypes(output / "checkpoints" / "full-bf16-fsdp2-bf16masters" / f"step-{STEPS:06d}")
+    state = "optimizer.state.model.{}.weight.__bnb_optimizer_quant_state__.{}"
+    for name in ("embed_tokens", "layers.0.mlp.up_proj"):  # shards of 129 x 64 and 64 x 64 elements
+        assert {dtypes[state.format(name, s)] for s in ("state1", "state2")} == {torch.uint8}
+        assert {dtypes[state.format(name, s)] for s in ("absmax1", "absmax2")} == {torch.float32}
+    assert dtypes[state.format("layers.0.self_attn.q_proj", "state1")] == torch.float32  # 32 x 64: fp32 states
+    assert state.format("layers.0.self_attn.q_proj", "absmax1") not in dtypes
+
+
+def test_8bit_states_quantized_at_two_ranks_refuse_one_with_the_reason(
+    tmp_path: Path, eight_bit_run: tuple[Path, dict[int, float], str]
+) -> None:
+    """Their blocks are of each rank's shard: at another world size the run stops before training, with why."""
+    output, _, _ = eight_bit_run
+    one = make_config(tmp_path, **{**EIGHT_BIT, "max_steps": STEPS + 4}, world_size=1, micro_batch=4)
+    shutil.copytree(output / "checkpoints", Path(one.output_dir) / "checkpoints")
+    result = run_trainer(write_config(one, tmp_path / "one.json"), nproc=1)
+    assert result.returncode != 0
+    said = "8-bit optimizer states were quantized in blocks of 2 rank(s)' shards and do not reshard to 1"
+    assert said in result.stdout + result.stderr, result.stderr[-3000:]
+
+
 @pytest.mark.parametrize("run", sorted(RUNS))
 def test_killed_run_resumes_to_the_uninterrupted_result(
     tmp_path: Path, request: pytest.FixtureRequest, run: str
@@ -175,7 +235,7 @@ def test_killed_run_resumes_to_the_uninterrupted_result(
     assert_same_final_weights(config.output_dir, reference_output, FINAL_WEIGHTS[config.training.method])
 
 
-@pytest.mark.parametrize("run", sorted(RUNS))
+@pytest.mark.parametrize("run", sorted(RESHARDABLE))
 def test_checkpoint_of_two_ranks_resumes_on_one_at_the_same_step_and_data(
     tmp_path: Path, request: pytest.FixtureRequest, run: str
 ) -> None:
@@ -183,7 +243,7 @@ def test_checkpoint_of_two_ranks_resumes_on_one_at_the_same_step_and_data(
     with the same global batch: 2 accumulated micro-batches (position 8 of 2-block micro-batches) or, with the
     optimizer in backward (accumulation 1), one micro-batch of 4 (position 4); the same blocks from there on,
     so it ends with the reference's data position and (up to reduction order) its loss."""
-    fixture, options = RUNS[run]
+    fixture, options = RESHARDABLE[run]
     reference_output, reference_losses, _ = request.getfixturevalue(fixture)
     micro_batches = 1 if options.get("optimizer_in_backward") else 2  # per step on one rank
     two = make_config(tmp_path, **options)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 
 from memfit.memory.activations import loss_chunk_tokens
 from memfit_trainer.blocks import IGNORE_INDEX
@@ -207,10 +208,12 @@ def causal_lm_loss(
     causal_lm: Any,
     batch: Mapping[str, torch.Tensor],
     loss_function: LossFunction = chunked_cross_entropy,
+    gather_head: Callable[[], Any] | None = None,
 ) -> torch.Tensor:
     """The loss of ``batch`` with the LM head inside the loss: ``forward`` (the engine, the peft model or
     the model itself) runs the decoder and computes no logits (``logits_to_keep`` selects no position);
-    the final norm's output is taken from the decoder and goes with the head's weight to the loss."""
+    the final norm's output is taken from the decoder and goes with the head's weight to the loss, gathered
+    first by ``gather_head`` where the forward left it sharded."""
     captured: list[torch.Tensor] = []
 
     def keep_output(module: Any, args: Any, output: Any) -> None:
@@ -223,6 +226,8 @@ def causal_lm_loss(
         forward(**inputs, logits_to_keep=no_position)
     finally:
         handle.remove()
+    if gather_head is not None:
+        gather_head()
     head = causal_lm.get_output_embeddings()
     softcap = getattr(causal_lm.config, "final_logit_softcapping", None)
     return loss_function(captured[-1], head.weight, shift_labels(batch["labels"]), bias=head.bias, softcap=softcap)
@@ -230,13 +235,17 @@ def causal_lm_loss(
 
 def install(run: Run) -> Installed | None:
     """With ``training.chunked_loss``, the micro-batch's loss with the LM head inside it, its implementation
-    chosen once and said in the log. The config refuses it under ZeRO-3, where the head's weight is partitioned."""
+    chosen once and said in the log. The config refuses it under DeepSpeed's ZeRO-3, which partitions the head's
+    weight; FSDP2's root (the head's group) resharded after the forward is gathered again for the loss (its
+    pre-backward hook would gather it next anyway, and its post-backward reduces the head's gradient)."""
     if not run.config.training.chunked_loss:
         return None
     engine = run.engine
     name, kernel = select_kernel(engine.device)
     causal_lm = unwrap_causal_lm(engine)
+    root = getattr(engine, "module", None)
+    gather_head = root.unshard if isinstance(root, FSDPModule) else None
     return Installed(
         said=f"loss: chunked cross-entropy ({name})",
-        loss=lambda batch: causal_lm_loss(engine, causal_lm, batch, kernel),
+        loss=lambda batch: causal_lm_loss(engine, causal_lm, batch, kernel, gather_head),
     )

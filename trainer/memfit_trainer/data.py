@@ -9,13 +9,13 @@ Which tokens are targets depends on the record kind (labels are -100 elsewhere; 
   or every token, rendered with the tokenizer's chat template (:mod:`memfit_trainer.chat`);
 * prompt/completion (``prompt_field`` + ``completion_field``): the completion and EOS, or every token.
 
-A packed batch carries ``position_ids`` restarting at 0 for every document, from which ``transformers``
-builds attention that stays inside each document (sdpa, eager: a block-diagonal causal mask; flash
-attention: the variable-length kernel, see :func:`model_inputs`). An unpacked batch carries an
-``attention_mask`` that hides the padding. With labels masked, the model's loss is the mean over the
-micro-batch's target tokens: micro-batches (and ranks) with fewer targets weigh as much as those with
-more in the accumulated gradient (each micro-batch's mean is averaged, as ``transformers``' Trainer does
-without ``average_tokens_across_devices``).
+A packed batch carries ``position_ids`` restarting at 0 for every document, from which ``transformers`` builds attention
+that stays inside each document (sdpa, eager: a block-diagonal causal mask; flex attention: a ``BlockMask`` of the same
+pattern in 128x128 tiles; flash attention: the variable-length kernel, see :func:`model_inputs`). An unpacked batch
+carries an ``attention_mask`` that hides the padding. With labels masked, the model's loss is the mean over the
+micro-batch's target tokens: micro-batches (and ranks) with fewer targets weigh as much as those with more in the
+accumulated gradient (each micro-batch's mean is averaged, as ``transformers``' Trainer does without
+``average_tokens_across_devices``).
 
 Order and sharding are a pure function of ``(seed, epoch)``, never of wall-clock or worker timing, which is
 what lets a restarted pod continue with exactly the batches the uninterrupted run would have seen:
@@ -329,11 +329,11 @@ def blocks_of(
 def model_inputs(blocks: np.ndarray, packing: bool) -> dict[str, torch.Tensor]:
     """A micro-batch of blocks as the model's keyword arguments.
 
-    Packed: ``position_ids`` restarting per document, and no ``attention_mask``: that is what makes
-    ``transformers`` (5.x, ``masking_utils.find_packed_sequence_indices``) build a block-diagonal causal mask
-    for sdpa and eager attention (it skips that detection when an attention mask or a KV cache is given; the
-    trainer disables the cache). Flash attention detects packing from ``position_ids`` only for a batch of
-    one row, so the variable-length boundaries are passed explicitly (:func:`flash_varlen_kwargs`).
+    Packed: ``position_ids`` restarting per document, and no ``attention_mask``: that is what makes ``transformers``
+    (5.x, ``masking_utils.find_packed_sequence_indices``) build a block-diagonal causal mask for sdpa and eager
+    attention, and a ``BlockMask`` for flex attention (it skips that detection when an attention mask or a KV cache
+    is given; the trainer disables the cache). Flash attention detects packing from ``position_ids`` only for a
+    batch of one row, so the variable-length boundaries are passed explicitly (:func:`flash_varlen_kwargs`).
     Unpacked: ``attention_mask`` hides the padding (positions count from 0 in every row anyway).
     """
     ids = torch.from_numpy(np.ascontiguousarray(blocks[:, IDS])).long()

@@ -30,6 +30,7 @@ from memfit.contract.trainer_config import TrainerConfig
 from memfit_trainer.checkpoint import DEEPSPEED_TAG
 from memfit_trainer.model import trains_adapters
 from memfit_trainer.optimization import client_optimizer, warmup_cosine
+from memfit_trainer.optimizer_in_backward import SteppedInBackward, all_reduce_mean, step_in_backward
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -142,7 +143,13 @@ def build_deepspeed_engine(
     if converted:
         config = universal_loading(config)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = None if _section(config).builds_optimizer else client_optimizer(config.training, params)
+    in_backward = _section(config).optimizer_in_backward
+    optimizer: torch.optim.Optimizer | None
+    if in_backward:
+        reduce = all_reduce_mean if torch.distributed.get_world_size() > 1 else None
+        optimizer = SteppedInBackward(step_in_backward(params, lambda p: client_optimizer(config.training, p), reduce))
+    else:
+        optimizer = None if _section(config).builds_optimizer else client_optimizer(config.training, params)
     schedule = warmup_cosine(total_steps, config.training.warmup_ratio)
     engine, _, _, scheduler = deepspeed.initialize(
         model=model,
@@ -151,4 +158,6 @@ def build_deepspeed_engine(
         lr_scheduler=lambda opt: LambdaLR(opt, schedule),
         config=engine_config(config, client=optimizer is not None),
     )
+    if in_backward:  # each gradient was all-reduced in its hook, and is gone
+        engine.enable_backward_allreduce = False
     return DeepSpeed(engine, scheduler, lora=trains_adapters(config.training.method))

@@ -40,6 +40,10 @@ class PhaseMemTracker(MemTracker):  # type: ignore[no-untyped-call]  # torch's _
     here, cost a loop over all modules per op).
     """
 
+    supports_higher_order_operators = True
+    """Higher-order operators (flex attention's) pass through ``__torch_dispatch__``, which runs them below this
+    mode and tracks what they return, as for any op."""
+
     def __init__(self) -> None:
         super().__init__()
         self._live_temp: dict[int, Any] = {}

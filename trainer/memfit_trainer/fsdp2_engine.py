@@ -60,6 +60,7 @@ from memfit_trainer.convert import load_universal_into_fsdp2
 from memfit_trainer.model import DTYPES, trains_adapters
 from memfit_trainer.optimization import client_optimizer, warmup_cosine
 from memfit_trainer.optimizer_in_backward import PerParameterSchedules, step_in_backward
+from memfit_trainer.sharded_8bit import QUANTIZED_FOR, check_quantized_for, quantized_for
 
 DCP_DIRECTORY = "dcp"
 """The ``torch.distributed.checkpoint`` directory inside a checkpoint's step directory."""
@@ -209,7 +210,8 @@ class Fsdp2Engine:
 
     def _state(self) -> dict[str, Any]:
         model, optimizer = get_state_dict(self.module, self.optimizers, options=self._options())
-        return {"model": model, "optimizer": optimizer, "scheduler": self.lr_scheduler.state_dict()}
+        scheduler = self.lr_scheduler.state_dict()
+        return {"model": model, "optimizer": optimizer, "scheduler": scheduler, **quantized_for(self.optimizers)}
 
     @property
     def learning_rate(self) -> float:
@@ -229,6 +231,10 @@ class Fsdp2Engine:
         if not (path / ".metadata").is_file():
             return False
         state = self._state()
+        if QUANTIZED_FOR in state:  # before the states: quantized blocks of another world size do not load
+            saved = {QUANTIZED_FOR: 0}
+            load(saved, checkpoint_id=str(path))
+            check_quantized_for(saved[QUANTIZED_FOR], state[QUANTIZED_FOR])
         load(state, checkpoint_id=str(path))
         set_state_dict(
             self.module,
@@ -270,10 +276,10 @@ def build_fsdp2_engine(
     in_backward = isinstance(config.engine, Fsdp2EngineSection) and config.engine.optimizer_in_backward
     scheduler: LambdaLR | PerParameterSchedules
     if in_backward:
-        optimizers = step_in_backward(params, lambda group: client_optimizer(training, group))
+        optimizers = step_in_backward(params, lambda group: client_optimizer(training, group, sharded=True))
         scheduler = PerParameterSchedules(optimizers, schedule)
     else:
-        optimizers = (client_optimizer(training, params),)
+        optimizers = (client_optimizer(training, params, sharded=True),)
         scheduler = LambdaLR(optimizers[0], schedule)
     return Fsdp2Engine(
         sharded,

@@ -38,11 +38,13 @@ ATTENTION: dict[Attention, str] = {
     Attention.SDPA: Attention.SDPA.value,
     Attention.EAGER: Attention.EAGER.value,
     Attention.FLASH: "flash_attention_2",
+    Attention.FLEX: "flex_attention",
 }
 """``transformers``' ``attn_implementation`` for each attention kernel."""
 ATTENTION_SUPPORT: dict[Attention, tuple[str, ...]] = {
     Attention.SDPA: ("_supports_sdpa",),
     Attention.FLASH: ("_supports_flash_attn", "_supports_flash_attn_2"),
+    Attention.FLEX: ("_supports_flex_attn",),
 }
 """The ``PreTrainedModel`` class attributes saying that a model class implements each kernel (eager: all do).
 gpt-oss, for one, implements no SDPA attention: ``from_pretrained`` would raise deep inside loading."""

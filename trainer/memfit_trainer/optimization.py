@@ -46,13 +46,14 @@ def warmup_cosine(total_steps: int, warmup_ratio: float) -> Callable[[int], floa
     return factor
 
 
-def client_optimizer(training: TrainingConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """The optimizer memfit builds: every one on fsdp2, those DeepSpeed does not build itself on DeepSpeed."""
+def client_optimizer(
+    training: TrainingConfig, params: Iterable[torch.nn.Parameter], *, sharded: bool = False
+) -> torch.optim.Optimizer:
+    """The optimizer memfit builds: every one on fsdp2 (``sharded``: over its DTensor shards), those DeepSpeed
+    does not build itself on DeepSpeed."""
     lr, weight_decay = training.learning_rate, training.weight_decay
     if training.optimizer in EIGHT_BIT_OPTIMIZERS:
-        from bitsandbytes.optim.adamw import AdamW8bit, PagedAdamW8bit
-
-        cls = AdamW8bit if training.optimizer == Optimizer.ADAMW_8BIT else PagedAdamW8bit
+        cls = _eight_bit_class(training.optimizer, sharded)
         return cls(params, lr=lr, weight_decay=weight_decay)
     if training.optimizer == Optimizer.ADAFACTOR:
         from transformers.optimization import Adafactor
@@ -67,3 +68,15 @@ def client_optimizer(training: TrainingConfig, params: Iterable[torch.nn.Paramet
         # bitsandbytes' optimizers have unannotated constructors.
         return Lion(params, lr=lr, weight_decay=weight_decay)  # type: ignore[no-untyped-call]
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+
+
+def _eight_bit_class(optimizer: Optimizer, sharded: bool) -> Callable[..., torch.optim.Optimizer]:
+    """bitsandbytes' 8-bit AdamW, paged or not, on plain tensors or (``sharded``) on FSDP2's local shards."""
+    paged = optimizer == Optimizer.PAGED_ADAMW_8BIT
+    if sharded:
+        from memfit_trainer.sharded_8bit import ShardedAdamW8bit, ShardedPagedAdamW8bit
+
+        return ShardedPagedAdamW8bit if paged else ShardedAdamW8bit
+    from bitsandbytes.optim.adamw import AdamW8bit, PagedAdamW8bit
+
+    return PagedAdamW8bit if paged else AdamW8bit

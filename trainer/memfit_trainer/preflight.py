@@ -80,6 +80,21 @@ def _metrics_port_problem(config: TrainerConfig, environ: Mapping[str, str]) -> 
     return None
 
 
+def _flex_problem(config: TrainerConfig) -> str | None:
+    """Flex attention trains only on CUDA (torch 2.13 refuses its backward on the CPU), through Triton kernels
+    that ``torch.compile`` generates: said at start, not at the first backward pass."""
+    if config.training.attention != Attention.FLEX:
+        return None
+    if config.devices != Devices.CUDA:
+        return (
+            "training.attention flex: torch's flex_attention has no backward pass on the CPU (it trains on CUDA "
+            "GPUs only): set training.attention to sdpa"
+        )
+    if importlib.util.find_spec("triton") is None:
+        return "training.attention flex: torch compiles flex_attention with Triton, which is not installed"
+    return None
+
+
 def _devices_problem(config: TrainerConfig) -> str | None:
     """A plan for GPUs where the container sees none (a node that advertises nvidia.com/gpu without a working
     device plugin or runtime): said at start-up, not trained on the CPU under the GPU plan's numbers."""
@@ -191,6 +206,9 @@ def check(config: TrainerConfig, environ: Mapping[str, str]) -> None:
         )
     if training.attention == Attention.FLASH and importlib.util.find_spec("flash_attn") is None:
         problems.append("training.attention is flash but the flash-attn package is not installed")
+    flex = _flex_problem(config)
+    if flex:
+        problems.append(flex)
     bnb_needed = training.method == Method.QLORA or (
         not config.engine.builds_optimizer and training.optimizer in NEEDS_BITSANDBYTES
     )

@@ -17,6 +17,9 @@ What the optimizer steps on decides the size of its states, so it is followed te
 
 Adafactor's and bitsandbytes' states, per tensor or per partition, are counted in :mod:`memfit.memory.states`.
 
+Offloaded to the CPU, the host holds what DeepSpeed pins, as PyTorch's pinned allocator rounds it
+(:func:`zero_pinned_buffers`, :func:`host_pinned_bytes`), and the optimizer's pageable states.
+
 bf16 master weights (``Strategy.master_weights``, pure bf16 training) change three terms:
 
 ========================  ===================  ==========================  ================
@@ -37,10 +40,11 @@ gradient piece can outgrow the bf16 partition, and ZeRO-0's clipping copies one 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from memfit.api.vocabulary import MasterWeights, Method, Offload, Optimizer, Precision
-from memfit.memory.activations import ActivationEstimate
+from memfit.memory.activations import ActivationEstimate, pinned_host_bytes
 from memfit.memory.engine import Moment
 from memfit.memory.setup import Adapters, StaticSetup
 from memfit.memory.sizes import BF16, FP32, FP64, NF4_BYTES_PER_PARAMETER, compute_bytes
@@ -50,8 +54,9 @@ from memfit.memory.states import (
     largest_trainable_tensor,
     optimizer_state_bytes,
     trainable_split,
+    trainable_tensors,
 )
-from memfit.planned_model import PlannedModel
+from memfit.planned_model import PlannedModel, TensorCounts
 from memfit.render.deepspeed import bucket_elements
 
 
@@ -98,6 +103,96 @@ def bf16_step_transient(shape: PlannedModel, setup: StaticSetup, adapters: Adapt
     return max((BF16 + upcasts) * partition, FP64 * piece)
 
 
+PinnedBuffers = tuple[tuple[float, float], ...]
+"""(bytes, how many) of each kind of host buffer one rank pins; a count may be a share of the ranks' buffers."""
+
+SUB_GROUP_ELEMENTS = 1_000_000_000
+"""ZeRO-3 steps a rank's partition in sub-groups of about this many elements (DeepSpeed's ``sub_group_size``
+default, ``runtime/zero/config.py``, which memfit's renderer keeps), each with its own fp32 gradient buffer."""
+
+
+def host_pinned_bytes(buffers: PinnedBuffers) -> int:
+    """Host bytes that ``buffers`` take once pinned. DeepSpeed pins through ``get_accelerator().pin_memory``,
+    on CUDA ``tensor.pin_memory()``, whose ``CachingHostAllocator`` rounds every block up to a power of two
+    (:func:`~memfit.memory.activations.pinned_host_bytes`) and keeps a freed block cached; pinned memory is
+    page-locked, never swapped, and charged to the pod's cgroup like any other, so its rounding is part of the
+    pod's memory request. (On a CPU pool DeepSpeed's CPU accelerator pins nothing and the buffers are
+    pageable, without rounding: the static memory does not know the pool, so the rounding is counted there
+    too.)"""
+    return math.ceil(sum(count * pinned_host_bytes(math.ceil(nbytes)) for nbytes, count in buffers))
+
+
+def _partition(elements: int, gpus: int) -> int:
+    """A rank's share of a tensor or a flat group: DeepSpeed pads it to a multiple of the ranks."""
+    return -(-elements // gpus)
+
+
+def stage12_pinned_buffers(shape: PlannedModel, setup: StaticSetup, adapters: Adapters) -> PinnedBuffers:
+    """What ZeRO-1/2 pin per rank under optimizer offload (``runtime/zero/stage_1_and_2.py``): the fp32 master
+    partition (561-565) and a 16-bit copy of it through which the updated weights go back to the GPU
+    (566-575), the fp32 gradient partition the CPU optimizer reads (936-941), a 16-bit buffer of the largest
+    parameter (653-658) and, under ZeRO-2 from the first micro-batch that accumulates, a 16-bit buffer of each
+    whole parameter of the rank's partition (1822-1825, 1852-1853): its share of every tensor, and the tensor
+    straddling its boundary, which both neighbouring ranks hold whole. (ZeRO-1 reduces only at the accumulation
+    boundary, 2293-2295, where its count of reduced micro-batches is still 0, 2166 and 3256-3258: it pins none.)
+    They exist only with gradient accumulation, which static memory does not know: they are counted for every
+    ZeRO-2 plan (with none, 2 bytes per parameter over the ranks too many)."""
+    n, w = setup.gpus, compute_bytes(setup.precision)
+    partition = _partition(trainable_split(shape, setup.method, adapters).trainable, n)
+    largest = w * largest_trainable_tensor(shape, setup.method, adapters)
+    flat = ((FP32 * partition, 2), (w * partition, 1), (largest, 1))
+    if setup.zero_stage == 1:
+        return flat
+    accumulated = tuple((w * math.prod(t), count / n) for t, count in trainable_tensors(shape, setup.method, adapters))
+    return (*flat, (largest, 1), *accumulated)
+
+
+def _model_tensors(shape: PlannedModel, setup: StaticSetup, adapters: Adapters) -> TensorCounts:
+    """Every parameter tensor of the trained model: the adapters too with LoRA."""
+    base = shape.full_tensors()
+    return base if setup.method == Method.FULL else base + trainable_tensors(shape, setup.method, adapters)
+
+
+def _trained_partition(shape: PlannedModel, setup: StaticSetup, adapters: Adapters) -> int:
+    """Elements of a ZeRO-3 rank's partitions of the trained parameters (each one padded to the ranks)."""
+    return sum(
+        count * _partition(math.prod(t), setup.gpus) for t, count in trainable_tensors(shape, setup.method, adapters)
+    )
+
+
+def stage3_pinned_buffers(shape: PlannedModel, setup: StaticSetup, adapters: Adapters) -> PinnedBuffers:
+    """What ZeRO-3 pins per rank. Optimizer offload (``runtime/zero/stage3.py``): the 16-bit gradient
+    partitions of the trained parameters, one flat buffer (790-795), and on the CPU an fp32 gradient buffer
+    per sub-group for the CPU optimizer (1336-1342); the fp32 masters (1158-1160) and the states are pageable.
+    Parameter offload to the CPU: ``zero.Init`` pins every parameter's partition
+    (``partition_parameters.py`` 1842-1843; it applies no persistence threshold, 1292, as nothing calls
+    ``_update_persist_config``), then the trained ones move into one flat 16-bit buffer, pinned whatever
+    ``pin_memory`` says (``stage3.py`` 906): their own blocks are freed into the pinned allocator's cache,
+    which keeps them."""
+    n, w = setup.gpus, compute_bytes(setup.precision)
+    trained = _trained_partition(shape, setup, adapters)
+    buffers: list[tuple[float, float]] = []
+    if setup.offload_optimizer != Offload.NONE:
+        buffers.append((w * trained, 1))
+    if setup.offload_optimizer == Offload.CPU:
+        whole, rest = divmod(trained, SUB_GROUP_ELEMENTS)
+        buffers += [(FP32 * size, count) for size, count in ((SUB_GROUP_ELEMENTS, whole), (rest, 1)) if size * count]
+    if setup.offload_parameters == Offload.CPU:
+        buffers += [(w * _partition(math.prod(t), n), count) for t, count in _model_tensors(shape, setup, adapters)]
+        buffers.append((w * trained, 1))
+    return tuple(buffers)
+
+
+def zero_pinned_buffers(shape: PlannedModel, setup: StaticSetup, adapters: Adapters) -> PinnedBuffers:
+    """The host buffers one rank pins for what it offloads (the renderer asks for ``pin_memory``, also
+    DeepSpeed's default: ``runtime/zero/offload_config.py`` 45 and 75)."""
+    if setup.zero_stage == 3:
+        return stage3_pinned_buffers(shape, setup, adapters)
+    if setup.zero_stage in (1, 2) and setup.offload_optimizer != Offload.NONE:
+        return stage12_pinned_buffers(shape, setup, adapters)
+    return ()
+
+
 def zero_model_states(shape: PlannedModel, setup: StaticSetup, adapters: Adapters) -> ModelStates:
     """Weights, gradients and optimizer states of one rank under ZeRO."""
     split = trainable_split(shape, setup.method, adapters)
@@ -131,6 +226,11 @@ def zero_model_states(shape: PlannedModel, setup: StaticSetup, adapters: Adapter
         step_grads = bf16_step_transient(shape, setup, adapters)
     if stage >= 2:
         grads /= n
+    if setup.optimizer_in_backward:  # ZeRO-0: each gradient is all-reduced, stepped on and freed once made
+        # Adafactor steps a 16-bit tensor through fp32 copies of it and its gradient (bf16_step_transient).
+        upcasts = 2 * FP32 if setup.optimizer == Optimizer.ADAFACTOR and trainable_bytes != FP32 else 0
+        grads = largest_trainable_tensor(shape, setup.method, adapters) * (trainable_bytes + upcasts)
+        step_grads = 0
     # Under ZeRO-3 the module being reduced holds its full gradient before the reduce-scatter.
     gathered_grads = shape.largest_layer_parameters * w if stage == 3 and setup.method == Method.FULL else 0
     if stage == 3:
@@ -144,21 +244,19 @@ def zero_model_states(shape: PlannedModel, setup: StaticSetup, adapters: Adapter
     if setup.offload_optimizer != Offload.NONE:
         # Master weights and states move to the host, and reduced gradient partitions are copied
         # straight into the fp32 buffers the CPU optimizer reads: the GPU keeps only the buckets
-        # (and, under ZeRO-3, the full gradient of the module being reduced).
-        cpu += step_grads
+        # (and, under ZeRO-3, the full gradient of the module being reduced). What DeepSpeed pins (the
+        # masters at ZeRO-1/2, the gradient buffers) is in zero_pinned_buffers; the states are pageable.
         grads = gathered_grads
         if setup.offload_optimizer == Offload.CPU:
-            cpu += optimizer + paged
+            host_states = optimizer - split.trainable * masters / shards + paged
+            cpu += host_states + (FP32 * _trained_partition(shape, setup, adapters) if stage == 3 else 0)
         else:
+            cpu += step_grads
             nvme += optimizer + paged
         optimizer = step_grads = paged = 0
-    cpu += paged
-    if stage == 3 and setup.offload_parameters != Offload.NONE:
-        shard = (frozen_bytes + split.trainable * trainable_bytes) / n
-        if setup.offload_parameters == Offload.CPU:
-            cpu += shard
-        else:
-            nvme += shard
+    cpu += paged + host_pinned_bytes(zero_pinned_buffers(shape, setup, adapters))
+    if stage == 3 and setup.offload_parameters == Offload.NVME:
+        nvme += (frozen_bytes + split.trainable * trainable_bytes) / n
     return ModelStates(
         parameters=int(weights),
         gradients=int(grads),
@@ -178,7 +276,7 @@ DDP_ALLREDUCE_ELEMENTS = 500_000_000
 
 def communication_buffer_bytes(shape: PlannedModel, setup: StaticSetup, trainable: int) -> int:
     """Gradient and parameter buckets DeepSpeed allocates for collective communication."""
-    if setup.gpus == 1:
+    if setup.gpus == 1 or setup.optimizer_in_backward:  # in backward: each gradient all-reduced in place
         return 0
     w = compute_bytes(setup.precision)
     buckets = bucket_elements(shape, setup.zero_stage)

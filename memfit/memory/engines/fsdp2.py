@@ -72,7 +72,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.api.vocabulary import MasterWeights, Method, Offload, Precision
+from memfit.api.vocabulary import MasterWeights, Method, Offload, Optimizer, Precision
 from memfit.memory.activations import LOSS_BYTES_PER_LOGIT, ActivationEstimate
 from memfit.memory.engine import Moment
 from memfit.memory.setup import Adapters, StaticSetup
@@ -283,8 +283,14 @@ def fsdp2_step(shape: PlannedModel, setup: StaticSetup, adapters: Adapters) -> F
         forward_loss_bytes_per_logit=c + FP32 + (FP32 if c != FP32 else 0),
         chunked_loss=setup.chunked_loss,
         optimizer_in_backward=setup.optimizer_in_backward,
-        head_step_temporary=w.sharded_trained * g.head // n if setup.optimizer_in_backward and sharded else 0,
+        head_step_temporary=head_step_temporary(setup, w.sharded_trained * g.head // n) if sharded else 0,
     )
+
+
+def head_step_temporary(setup: StaticSetup, head_shard: int) -> int:
+    """With the step in backward, the head's AdamW step's foreach temporary (``sqrt(exp_avg_sq)`` of its
+    shard); bitsandbytes' 8-bit kernel updates in place, with none."""
+    return head_shard if setup.optimizer_in_backward and setup.optimizer == Optimizer.ADAMW else 0
 
 
 def fsdp2_model_states(shape: PlannedModel, setup: StaticSetup, adapters: Adapters) -> ModelStates:
@@ -301,11 +307,12 @@ def fsdp2_model_states(shape: PlannedModel, setup: StaticSetup, adapters: Adapte
     if setup.optimizer_in_backward:  # what stays: one group's sharded gradient while its parameters step
         g = fsdp2_groups(shape, setup.method, adapters)
         grads = max(g.root_trained, g.layer_trained) * w.reduce / n
+    paged = 0.0
     if setup.optimizer in ELEMENTWISE_STATES:  # zeros_like(sharded param): the shard's dtype
         optimizer = split.trainable * ELEMENTWISE_STATES[setup.optimizer] * w.sharded_trained / n
-    else:  # per tensor on its local shard (Adafactor); bitsandbytes is refused on fsdp2
-        states = optimizer_state_bytes(shape, setup.method, adapters, setup.optimizer, w.sharded_trained, None)
-        optimizer = (states.device + states.paged) / n
+    else:  # bitsandbytes' 8-bit AdamW on each local shard (paged: its 8-bit states in CUDA managed memory)
+        states = optimizer_state_bytes(shape, setup.method, adapters, setup.optimizer, w.sharded_trained, None, n)
+        optimizer, paged = states.device, states.paged
     if setup.offload_parameters != Offload.NONE:
         return ModelStates(quant_states, 0, 0, 0, cpu_per_rank=int(weights + grads + optimizer), nvme_per_rank=0)
     return ModelStates(
@@ -313,7 +320,7 @@ def fsdp2_model_states(shape: PlannedModel, setup: StaticSetup, adapters: Adapte
         gradients=int(grads),
         step_gradients=0,
         optimizer_states=int(optimizer),
-        cpu_per_rank=0,
+        cpu_per_rank=int(paged),
         nvme_per_rank=0,
     )
 

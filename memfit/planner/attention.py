@@ -1,0 +1,60 @@
+"""Which attention kernel a plan runs on a pool: a pinned one where the pool's GPUs run it; else the model's own,
+or flex attention where the pool runs it and it holds less memory.
+
+The throughput model charges every kernel alike (the attention FLOPs are the same), so between two kernels
+that both run, the one that needs less memory is planned: on packed batches (and padded ones, the plan's worst
+case for ``packing: false``) flex attention's block mask replaces SDPA's dense ``(b, 1, s, s)`` mask, its 16-bit
+copy in every layer and the keys and values repeated to every query head.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Final
+
+from memfit.api.gpupool import PoolCapacity
+from memfit.api.vocabulary import Attention, Method, Precision
+from memfit.memory.activations import ActivationSetup
+from memfit.memory.profiled_activations import model_activations
+from memfit.planned_model import PlannedModel
+
+KERNEL_NEEDS: Final[dict[Attention, str]] = {
+    Attention.FLASH: "flash-attention 2 runs only on Ampere or later GPUs",
+    Attention.FLEX: "flex attention is planned only on Ampere or later GPUs (torch has no flex backward pass on the "
+    "CPU, and tunes its Triton kernels from Ampere on)",
+}
+"""The kernels that need more than any pool has, and what they need (said where a pinned one cannot run)."""
+
+
+def runs_attention(attention: Attention | None, capacity: PoolCapacity) -> bool:
+    """Whether the pool's GPUs run the kernel (:data:`KERNEL_NEEDS`): Ampere or later, which is also where bf16
+    tensor cores came (a CPU pool has neither). SDPA and eager run anywhere."""
+    return attention not in KERNEL_NEEDS or (capacity.bf16 and not capacity.cpu_only)
+
+
+def planned_attention(model: PlannedModel, capacity: PoolCapacity, sequence_length: int) -> Attention:
+    """The kernel planned on the pool when the job pins none: flex attention where the pool runs it, the model
+    can be planned with it (a profile only with the kernel it was traced with) and it holds less than the
+    model's SDPA; else the model's own kernel."""
+    default = model.default_attention
+    if default != Attention.SDPA or not runs_attention(Attention.FLEX, capacity):
+        return default
+    # Whether the description plans flex at all (precision aside: bf16, which every description plans).
+    if model.unplannable(Precision.BF16, Attention.FLEX, frozenset()) is not None:
+        return default
+    return Attention.FLEX if flex_holds_less(model, sequence_length) else default
+
+
+@functools.lru_cache(maxsize=256)  # per model and sequence length: a few per job
+def flex_holds_less(model: PlannedModel, sequence_length: int) -> bool:
+    """Whether flex attention's activations stay below SDPA's on a packed row of ``sequence_length``, with and
+    without checkpointing. The terms in which they differ (masks, the per-layer mask copies, repeated keys and
+    values, flex's maximum scores) are each per row, so one row decides for every micro-batch."""
+
+    def peak(attention: Attention, checkpointing: bool) -> int:
+        setup = ActivationSetup(Method.FULL, Precision.BF16, checkpointing, 1, sequence_length, attention)
+        return model_activations(model, setup).peak
+
+    return all(
+        peak(Attention.FLEX, checkpointing) < peak(Attention.SDPA, checkpointing) for checkpointing in (False, True)
+    )
