@@ -30,6 +30,8 @@ from memfit.api.plan import PlanCandidate
 from memfit.api.techniques import TECHNIQUES
 from memfit.api.vocabulary import (
     ALL_LINEAR,
+    DEFAULT_MAX_RECORD_MIB,
+    MAX_RECORD_MIB,
     Attention,
     DatasetFormat,
     EndedOutcome,
@@ -37,6 +39,7 @@ from memfit.api.vocabulary import (
     MasterWeights,
     Method,
     Offload,
+    OnBadRecord,
     Optimizer,
     Phase,
     Precision,
@@ -268,6 +271,14 @@ class DatasetSpec(ApiModel):
     """Held-out data for a validation loss (none by default)."""
     streaming: StrictBool = False
     """Stream the files instead of loading them (for datasets larger than the node's memory)."""
+    on_bad_record: OnBadRecord = OnBadRecord.FAIL
+    """fail: a record that is not UTF-8, not one JSON object, too large, or without its fields stops the job
+    before training (or, streamed, when read) naming its file, line and field; skip: it is left out and counted."""
+    max_record_mib: StrictInt = Field(default=DEFAULT_MAX_RECORD_MIB, ge=1, le=MAX_RECORD_MIB)
+    """The largest record read, in MiB (a JSON line): a larger one is a bad record."""
+    changed: StrictBool = False
+    """The data changed on purpose since the last checkpoint: resume on it anyway (a position past the end of
+    the new data starts the next epoch). Otherwise a resume on other data or past the end of an epoch is refused."""
 
     @model_validator(mode="after")
     def _one_kind(self) -> DatasetSpec:

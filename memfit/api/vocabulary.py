@@ -108,6 +108,21 @@ class TrainOn(StrEnum):
     """Every token (system, user and tool turns, prompts, template markup)."""
 
 
+class OnBadRecord(StrEnum):
+    """What a record the trainer cannot use does (``dataset.onBadRecord``)."""
+
+    FAIL = "fail"
+    """Stop, naming its file, line and field."""
+    SKIP = "skip"
+    """Leave it out and count it."""
+
+
+DEFAULT_MAX_RECORD_MIB: Final = 4
+"""``dataset.maxRecordMib``: a larger record is refused (or skipped) as read; its tokens would cost every
+rank a few hundred times its size in memory."""
+MAX_RECORD_MIB: Final = 1024
+
+
 class DatasetFormat(StrEnum):
     JSONL = "jsonl"
     PARQUET = "parquet"
@@ -200,6 +215,10 @@ class TerminationReason(StrEnum):
     OUT_OF_MEMORY = "OutOfMemory"
     CONFIG_ERROR = "ConfigError"
     COMPLETED = "Completed"
+    NO_SPACE = "NoSpace"
+    """A checkpoint or the export could not be written: the output volume is full."""
+    STOPPED = "Stopped"
+    """Stopped on SIGTERM or SIGINT after a checkpoint of the step it was at: a restart resumes there."""
 
 
 class StepPhase(StrEnum):

@@ -12,17 +12,29 @@ Before torchrun starts the ranks (and with ``--dry-run`` too: it is how a job is
 the trainer's own start-up checks run in one process (``python -m memfit_trainer.launch_check``; the core
 imports no torch): the config against this machine, the tokenizer, the model's config, the training and
 validation data against one micro-batch per rank. What they refuse is the trainer's one line and exit 2.
+
+One run per output directory (memfit.contract.output_lock): an output directory another run holds is refused
+in one line naming it (exit 2) before anything is written. torchrun runs in a session of its own, tied to
+this process (memfit.contract.lifetime): SIGTERM, SIGINT (Ctrl-C) and SIGHUP reach memfit only, which passes
+them to torchrun, whose ranks then checkpoint the step they are at and stop (memfit exits 128 + the signal);
+if memfit itself is killed, the kernel sends torchrun SIGTERM, with the same effect. A second signal ends
+torchrun at once, and with it the ranks (each gets SIGTERM when torchrun ends: its second signal, which ends it
+without a checkpoint). No rank outlives memfit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import FrameType
 from typing import IO
 
 from pydantic import ValidationError
@@ -33,9 +45,16 @@ from memfit.api.plan import PlanCandidate
 from memfit.cli.exit_codes import ExitCode
 from memfit.cli.local_machine import inspect_machine, local_pool
 from memfit.cli.model_profiles import ProfileFailed, directory_profile
+from memfit.contract.lifetime import signal_when_parent_dies, stop_seconds
 from memfit.contract.model_match import model_directory_problem
+from memfit.contract.output_lock import lock_holder
 from memfit.contract.sections import MetricsConfig
-from memfit.contract.termination import CONFIG_ERROR_PREFIX, config_error_message
+from memfit.contract.termination import (
+    CONFIG_ERROR_PREFIX,
+    config_error_message,
+    read_termination_message,
+    stopped_description,
+)
 from memfit.contract.trainer_config import TrainerConfig
 from memfit.planned_model import PlannedModel
 from memfit.planner.search import PlanningError, plan_job
@@ -48,6 +67,8 @@ CLAIM_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-
 CONFIG_FILE = "trainer-config.json"
 TRAINER_WRITES = ("termination-log",)
 """Files of the work directory the trainer opens for writing in place (progress.json is replaced by rename)."""
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""What memfit passes on to torchrun (which stops its ranks on each)."""
 
 
 def _claim_name(claim: object, where: str) -> str:
@@ -233,6 +254,10 @@ def run_local(job_file: Path, ranks: int | None, mount_args: list[str], workdir:
         print(f"memfit run: {fewer_ranks(job.spec, result.chosen, ranks)}", file=sys.stderr)
         ranks = result.chosen.strategy.gpus
 
+    holder = lock_holder(output_dir)
+    if holder is not None:
+        print(f"memfit run: error: {holder}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
     try:
         check_model(job, mounts, planned)
         workdir = _work_directory(workdir, output_dir)
@@ -256,6 +281,7 @@ def run_local(job_file: Path, ranks: int | None, mount_args: list[str], workdir:
     print(f"memfit run: {result.chosen.strategy.summary()} ({ranks} {device})")
     print(f"memfit run: trainer config {config_path}")
     env = trainer_env(machine.has_gpus)
+    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(stop_seconds(result.chosen)))
     _say(f"checking the model, the tokenizer and the data as {ranks} rank(s) will load them")
     refused = launch_check(config_path, env)
     if refused is not None:
@@ -295,19 +321,65 @@ def launch_check(config_path: Path, env: dict[str, str]) -> tuple[ExitCode, str]
     return ExitCode.INTERNAL_ERROR, f"the trainer's launch check failed (exit {done.returncode}): {said}"
 
 
-def relay_stderr(stream: IO[bytes]) -> str | None:
+def relay_stderr(stream: IO[bytes], stopping: Callable[[], bool] = lambda: False) -> str | None:
     """Copy torchrun's stderr (its ranks' too) to ours as it comes, until a rank refuses its config
-    (memfit-train's one line): what follows is torchrun's report of the failed ranks, withheld. The first
-    refusal's message, or None."""
+    (memfit-train's one line) or memfit passed on a stop signal (``stopping()``): what follows is torchrun's
+    report of the failed ranks, or of the signal it got, withheld. The first refusal's message, or None."""
     refused: str | None = None
     for raw in stream:
         line = raw.decode("utf-8", errors="replace")
         if refused is None and line.startswith(CONFIG_ERROR_PREFIX):
             refused = line.removeprefix(CONFIG_ERROR_PREFIX).rstrip("\n")
-        if refused is None:
+        if refused is None and not stopping():
             sys.stderr.write(line)
             sys.stderr.flush()
     return refused
+
+
+def _tied_to(parent: int) -> Callable[[], None]:
+    """torchrun's pre-exec hook: SIGTERM when ``parent`` ends; exit at once if it already has."""
+
+    def tie() -> None:
+        signal_when_parent_dies()
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return tie
+
+
+def _start_torchrun(command: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """torchrun in a session of its own (a signal to memfit's process group reaches memfit only, which passes
+    it on: :func:`_forwarding_signals`), sent SIGTERM by the kernel when memfit ends, however it ends."""
+    return subprocess.Popen(
+        command, env=env, stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_tied_to(os.getpid())
+    )
+
+
+@contextlib.contextmanager
+def _forwarding_signals(process: subprocess.Popen[bytes]) -> Iterator[list[signal.Signals]]:
+    """While inside: :data:`FORWARDED_SIGNALS` go to ``process`` instead of ending memfit; the signals
+    received, in order."""
+    received: list[signal.Signals] = []
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        received.append(signal.Signals(signum))
+        if process.returncode is None:
+            process.send_signal(signum)
+
+    previous = {forwarded: signal.signal(forwarded, forward) for forwarded in FORWARDED_SIGNALS}
+    try:
+        yield received
+    finally:
+        for forwarded, handler in previous.items():
+            signal.signal(forwarded, handler)
+
+
+def _stopped(received: signal.Signals, termination_log: Path) -> int:
+    """What memfit says and returns after passing a stop signal to the ranks: 128 + the signal, as a shell
+    reports a process it ended."""
+    said = stopped_description(read_termination_message(termination_log))
+    print(f"memfit run: {said or f'stopped by {received.name}'}; the same command resumes", file=sys.stderr)
+    return 128 + received.value
 
 
 def _torchrun(config_path: Path, ranks: int, env: dict[str, str], termination_log: Path) -> int:
@@ -317,9 +389,15 @@ def _torchrun(config_path: Path, ranks: int, env: dict[str, str], termination_lo
     command = [torchrun, "--standalone", f"--nproc-per-node={ranks}", "-m", "memfit_trainer.main",
                "--config", str(config_path)]  # fmt: skip
     termination_log.unlink(missing_ok=True)  # an earlier run's message is not this run's
-    with subprocess.Popen(command, env=env, stderr=subprocess.PIPE) as process:
+    with _start_torchrun(command, env) as process, _forwarding_signals(process) as received:
         assert process.stderr is not None  # stderr=PIPE
-        refused = relay_stderr(process.stderr)
+        try:
+            refused = relay_stderr(process.stderr, stopping=lambda: bool(received))
+        except BaseException:
+            process.terminate()  # stopped, never left training (the context then waits for it)
+            raise
+    if received:
+        return _stopped(received[0], termination_log)
     if process.returncode == 0:
         return 0
     message = config_error_message(termination_log) or refused

@@ -11,9 +11,12 @@ from pydantic import Field, Strict, ValidatorFunctionWrapHandler, field_validato
 from memfit.api.base import ApiModel
 from memfit.api.vocabulary import (
     ALL_LINEAR,
+    DEFAULT_MAX_RECORD_MIB,
+    MAX_RECORD_MIB,
     Attention,
     DatasetFormat,
     MasterWeights,
+    OnBadRecord,
     Optimizer,
     PlannedMethod,
     PlannedPrecision,
@@ -164,6 +167,11 @@ class DataConfig(ApiModel):
     """Documents packed into full sequences with per-document attention and positions, or one per sequence."""
     validation: ValidationConfig | None = None
     streaming: Annotated[bool, Strict()] = False
+    on_bad_record: OnBadRecord = OnBadRecord.FAIL
+    """A bad record stops the run naming its file, line and field, or is skipped and counted."""
+    max_record_mib: Annotated[int, Strict(), Field(ge=1, le=MAX_RECORD_MIB)] = DEFAULT_MAX_RECORD_MIB
+    changed: Annotated[bool, Strict()] = False
+    """The data changed on purpose: resume on it although the checkpoint's fingerprint is another."""
 
 
 class LoraConfig(ApiModel):

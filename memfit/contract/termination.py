@@ -9,9 +9,14 @@ Its ``reason`` is a ``memfit.api.vocabulary.TerminationReason``:
 * ``{"reason": "OutOfMemory", ...}``: a GPU ran out of memory (memfit_trainer.oom); the operator re-plans;
 * ``{"reason": "ConfigError", "message": ...}``: the trainer refused its config or data before training
   (exit code 2); restarting cannot help, so the operator fails the job with the message;
+* ``{"reason": "NoSpace", "message": ...}``: a checkpoint or the export could not be written, the output
+  volume is full (exit code 2); restarting cannot help until someone frees space;
 * ``{"reason": "Completed", "progress": ...}``: rank 0 finished training (exit code 0); its last progress
   (``memfit.contract.progress``), which the operator's periodic reads of its metrics can have missed (a
-  job shorter than their interval, the last steps after the last read).
+  job shorter than their interval, the last steps after the last read);
+* ``{"reason": "Stopped", "step": N, "message": ...}``: the trainer was stopped by a signal (SIGTERM from
+  Kubernetes, Ctrl-C) and wrote a checkpoint of step N first (exit code 0; torchrun, itself signalled, reports
+  1); the training is not finished, and a restart resumes from step N.
 
 No torch here: the operator imports the reasons.
 """
@@ -84,17 +89,30 @@ def write_termination_message(payload: str, path: str | Path = DEFAULT_TERMINATI
 def report_config_error(error: str, path: str | Path = DEFAULT_TERMINATION_LOG) -> None:
     """The one stderr line, and the ConfigError termination message where the file can be written (a pod
     has it; a local run outside a container usually cannot create /dev/termination-log, and needs none)."""
+    report_refusal(TerminationReason.CONFIG_ERROR, error, path)
+
+
+def report_refusal(reason: TerminationReason, error: str, path: str | Path = DEFAULT_TERMINATION_LOG) -> None:
+    """As :func:`report_config_error`, for another ``reason`` the run cannot go on for (a full disk)."""
     print(f"{CONFIG_ERROR_PREFIX}{error}", file=sys.stderr, flush=True)
     with contextlib.suppress(OSError):
-        write_termination_message(fitted_message({"reason": TerminationReason.CONFIG_ERROR}, error), path)
+        write_termination_message(fitted_message({"reason": reason}, error), path)
+
+
+def read_termination_message(path: str | Path) -> str | None:
+    """The termination message in the file, or None where there is none to read."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read(2 * MAX_TERMINATION_MESSAGE_BYTES)
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def config_error_message(path: str | Path) -> str | None:
     """The message of a ConfigError termination message in the file, or None (no file, another reason)."""
     try:
-        with open(path, encoding="utf-8") as handle:
-            payload = json.loads(handle.read(2 * MAX_TERMINATION_MESSAGE_BYTES))
-    except (OSError, UnicodeDecodeError, ValueError):
+        payload = json.loads(read_termination_message(path) or "")
+    except ValueError:
         return None
     if not isinstance(payload, dict) or payload.get("reason") != TerminationReason.CONFIG_ERROR:
         return None
@@ -119,3 +137,20 @@ def completed_progress(message: str | None) -> Progress | None:
         return Progress.model_validate(payload.get("progress"))
     except ValueError:
         return None
+
+
+def stopped_message(step: int, signal_name: str) -> str:
+    """The termination message of a run stopped by a signal after its checkpoint of ``step``."""
+    said = f"stopped by {signal_name} at step {step}" + (", its checkpoint written" if step else ", before any step")
+    return json.dumps({"reason": TerminationReason.STOPPED, "step": step, "message": said})
+
+
+def stopped_description(message: str | None) -> str | None:
+    """What a Stopped termination message says; None for any other message (or none)."""
+    try:
+        payload = json.loads(message or "")
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(payload, dict) or payload.get("reason") != TerminationReason.STOPPED:
+        return None
+    return str(payload.get("message"))

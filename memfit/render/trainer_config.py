@@ -115,6 +115,9 @@ def data_config(dataset: DatasetSpec, data_volume: str) -> DataConfig:
             every_steps=validation.every_steps,
         ),
         streaming=dataset.streaming,
+        on_bad_record=dataset.on_bad_record,
+        max_record_mib=dataset.max_record_mib,
+        changed=dataset.changed,
     )
 
 

@@ -31,6 +31,7 @@ from memfit.api.gpupool import GPU_PRODUCT_LABEL, GPUPool, pool_capacity
 from memfit.api.plan import PlanCandidate
 from memfit.api.vocabulary import ALL_LINEAR, MANAGED_BY, MANAGED_BY_LABEL, Offload
 from memfit.contract.engines import DeepSpeedEngineSection
+from memfit.contract.lifetime import TEARDOWN_SECONDS, stop_seconds
 from memfit.contract.sections import MetricsConfig
 from memfit.contract.trainer_config import TrainerConfig
 from memfit.planner.evaluated import node_ram
@@ -458,6 +459,11 @@ def metrics_ports(ranks_per_node: int) -> list[dict[str, Any]]:
     ]
 
 
+def _shutdown_timeout(plan: PlanCandidate) -> dict[str, str]:
+    """How long torchrun, signalled, waits for its ranks' checkpoint before it kills them (30 s by default)."""
+    return {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(stop_seconds(plan))}
+
+
 def trainer_pod(
     job: FineTuneJob,
     plan: PlanCandidate,
@@ -498,14 +504,15 @@ def trainer_pod(
             "subdomain": service_name(job),
             "nodeSelector": {**pool.spec.node_selector, **product},
             "tolerations": [t.to_api() for t in pool.spec.tolerations],
-            "terminationGracePeriodSeconds": 60,
+            # SIGTERM: the ranks finish their step and checkpoint it (memfit.contract.lifetime.stop_seconds).
+            "terminationGracePeriodSeconds": stop_seconds(plan) + TEARDOWN_SECONDS,
             "volumes": volumes,
             "containers": [
                 {
                     "name": "trainer",
                     "image": options.cpu_image if capacity.cpu_only and options.cpu_image else image,
                     "command": command,
-                    "env": _environment(job, plan, pool),
+                    "env": [*_environment(job, plan, pool), _shutdown_timeout(plan)],
                     "ports": [
                         {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT},
                         *metrics_ports(strategy.gpus_per_node),

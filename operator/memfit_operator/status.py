@@ -17,7 +17,7 @@ from memfit.api.finetunejob import Progress
 from memfit.api.plan import PlanCandidate
 from memfit.api.vocabulary import TIMESTAMP_FORMAT, ConditionType, Outcome, Reason, TerminationReason
 from memfit.contract.progress import Progress as TrainerProgress
-from memfit.contract.termination import completed_progress
+from memfit.contract.termination import completed_progress, stopped_description
 from memfit.units import GIB
 
 
@@ -98,6 +98,8 @@ def _trainer_message(message: str | None) -> tuple[Outcome, str] | None:
         return Outcome.OUT_OF_MEMORY, f"CUDA out of memory at step {payload.get('step')}{detail}"
     if payload.get("reason") == TerminationReason.CONFIG_ERROR:
         return Outcome.CONFIG_ERROR, f"the trainer refused its config: {payload.get('message')}"
+    if payload.get("reason") == TerminationReason.NO_SPACE:  # permanent until someone frees space
+        return Outcome.CONFIG_ERROR, str(payload.get("message"))
     return None
 
 
@@ -108,7 +110,12 @@ def report_pod(pod: Mapping[str, Any]) -> PodReport:
     phase = status.get("phase", "Pending")
     for container in status.get("containerStatuses") or []:
         terminated = _termination(container)
-        if not terminated or terminated.get("exitCode", 0) == 0:
+        if not terminated:
+            continue
+        stopped = stopped_description(terminated.get("message"))
+        if stopped is not None:  # a signal stopped it after a checkpoint (exit 0 or torchrun's 1): not finished
+            return PodReport(name, Outcome.FAILED, f"{name}: {stopped}")
+        if terminated.get("exitCode", 0) == 0:
             continue
         if terminated.get("reason") == "OOMKilled":
             return PodReport(name, Outcome.OUT_OF_MEMORY, f"{name}: host memory exhausted (OOMKilled)")

@@ -115,6 +115,7 @@ INTEGERS: list[tuple[str, int, int, dict[str, Any]]] = [
     ("spec.strategy.zeroStage", 0, 3, JOB),
     ("spec.maxRestarts", 0, 100, JOB),
     ("spec.maxReplans", 0, 100, JOB),
+    ("spec.dataset.maxRecordMib", 1, 1024, JOB),
     ("spec.model.architecture.hiddenSize", 1, 131_072, CUSTOM),
     ("spec.model.architecture.intermediateSize", 1, 1_048_576, CUSTOM),
     ("spec.model.architecture.numLayers", 1, 1024, CUSTOM),
@@ -154,12 +155,14 @@ BOOLEANS: list[tuple[str, dict[str, Any]]] = [
     ("spec.suspend", JOB),
     ("spec.model.randomInit", JOB),
     ("spec.dataset.streaming", JOB),
+    ("spec.dataset.changed", JOB),
     ("spec.strategy.gradientCheckpointing", JOB),
     ("spec.model.architecture.tieWordEmbeddings", CUSTOM),
 ]
 ENUMS: list[tuple[str, dict[str, Any]]] = [
     ("spec.method", JOB),
     ("spec.dataset.format", JOB),
+    ("spec.dataset.onBadRecord", JOB),
     ("spec.training.optimizer", JOB),
     ("spec.training.precision", JOB),
     ("spec.strategy.offloadOptimizer", JOB),

@@ -89,6 +89,6 @@ def test_a_refusal_is_the_trainers_one_line_and_exit_2(tmp_path: Path) -> None:
         env=trainer_env(HF_HOME=str(tmp_path / "hf")), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 2
-    assert done.stderr.splitlines() == [f"memfit-train: dataset {str(broken)!r} cannot be read as json: JSON parse "
-                                        "error: Invalid value. in row 1"], done.stderr  # fmt: skip
+    assert done.stderr.splitlines() == [f"memfit-train: {broken}:2: record: invalid JSON: Expecting value "
+                                        "(column 10)"], done.stderr  # fmt: skip
     assert not Path(config.termination_log).exists()  # no pod: no termination message

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from memfit.api.vocabulary import TrainOn
+from memfit_trainer.records import messages_problem
 
 ASSISTANT_ROLE = "assistant"
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -46,18 +47,10 @@ class Tokens:
 
 def check_messages(messages: Any, record: str) -> list[Mapping[str, str]]:
     """``messages`` as a list of ``{"role": str, "content": str}``, or a ChatTemplateError naming ``record``."""
-    if (
-        not isinstance(messages, list)
-        or not messages
-        or not all(
-            isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages
-        )
-    ):
-        raise ChatTemplateError(
-            f"{record}: a chat record must be a non-empty list of {{'role': str, 'content': str}}, "
-            f"got {str(messages)[:200]}"
-        )
+    problem = messages_problem(messages)
+    if problem is not None:
+        raise ChatTemplateError(f"{record}: a chat record must be a non-empty list of {{'role': str, 'content': str}}: "
+                                f"{problem}")  # fmt: skip
     return cast(list[Mapping[str, str]], messages)
 
 

@@ -214,6 +214,30 @@ class CheckpointManager:
         return stale
 
 
+# --- The final export's marker ------------------------------------------------------------------------
+
+
+FINAL_MARKER = "memfit-final.json"
+"""Written into the final export (beside the model's files) before it is renamed into place: what it is the
+model of (the step and layout, :func:`memfit_trainer.resume.final_marker`), so that a rerun after a re-plan to a
+layout that cannot load that step's checkpoint knows the training is done."""
+
+
+def write_final_marker(directory: Path, marker: Mapping[str, Any]) -> None:
+    """Mark the export being written to ``directory`` (JSON-serialisable ``marker``)."""
+    (directory / FINAL_MARKER).write_text(json.dumps(marker, sort_keys=True), encoding="utf-8")
+
+
+def read_final_marker(final_dir: Path) -> Mapping[str, Any] | None:
+    """The marker of the final export in ``final_dir``; ``None`` without one (or an export written before
+    exports were marked)."""
+    try:
+        marker = json.loads((final_dir / FINAL_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) else None
+
+
 # --- RNG state ----------------------------------------------------------------------------------------
 
 

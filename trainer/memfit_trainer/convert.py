@@ -1,7 +1,7 @@
 """Resume after a re-plan to another checkpoint layout: convert the newest checkpoint another layout wrote.
 
-Checkpoints are kept per layout (memfit.contract.layout). When this run's layout has none, rank 0 looks in
-the sibling layout directories for the newest complete checkpoint that
+Checkpoints are kept per layout (memfit.contract.layout). Rank 0 looks in the sibling layout directories for
+the newest complete checkpoint, newer than this layout's newest, that
 :meth:`~memfit.contract.layout.CheckpointLayout.converts_to` this run's layout, and converts it with DeepSpeed's
 universal checkpoint (``deepspeed.checkpoint.ds_to_universal``: one full fp32 tensor per parameter and per
 optimizer state, ``zero/<name>/fp32.pt``, ``exp_avg.pt``, ... and the step) into a scratch directory
@@ -77,15 +77,16 @@ def _recorded_layout(checkpoint: Checkpoint) -> CheckpointLayout | None:
         return None
 
 
-def find_conversion(own: Path, target: CheckpointLayout) -> Search:
-    """The newest complete checkpoint (by step) in the directories next to ``own`` whose recorded layout
-    converts to ``target``; where a newer one (or the only ones) cannot, the line that says why."""
+def find_conversion(own: Path, target: CheckpointLayout, newer_than: int) -> Search:
+    """The newest complete checkpoint (by step) after step ``newer_than`` (-1: any) in the directories next to
+    ``own`` whose recorded layout converts to ``target``; where a newer one (or the only ones) cannot, the line
+    that says why."""
     candidates = [
         (checkpoint, layout)
         for directory in sorted(own.parent.iterdir() if own.parent.is_dir() else [])
         if directory.is_dir() and directory != own
         for checkpoint in CheckpointManager(directory).complete()
-        if (layout := _recorded_layout(checkpoint)) is not None
+        if checkpoint.step > newer_than and (layout := _recorded_layout(checkpoint)) is not None
     ]
     refusal = None
     for checkpoint, layout in sorted(candidates, key=lambda found: found[0].step, reverse=True):
@@ -97,7 +98,7 @@ def find_conversion(own: Path, target: CheckpointLayout) -> Search:
                 f"a conversion from {layout.directory_name} to {target.directory_name} does not exist ({reason}): "
                 f"its checkpoint step {checkpoint.step} is not used"
             )
-    return Search(None, None if refusal is None else f"{refusal}; starting from the weights")
+    return Search(None, refusal)
 
 
 def universal_dir(manager: CheckpointManager, step: int) -> Path:

@@ -33,26 +33,38 @@ what lets a restarted pod continue with exactly the batches the uninterrupted ru
   so it costs re-reading and re-tokenising that part of the epoch. The number of micro-batches per epoch is
   unknown in advance (``micro_batches_per_epoch is None``): bound the run by steps.
 
+Records are checked before they are tokenised (:mod:`memfit_trainer.records`, :func:`check_data_files`): JSON Lines
+files record by record before loading (a stream's as read), parquet and arrow files from their schema; a bad
+record is one line naming its file, line and field, or is skipped and counted (``onBadRecord: skip``).
+
 The data position a checkpoint stores is :class:`DataPosition` ``(epoch, micro_batch)``: the micro-batches
 this rank has consumed in ``epoch`` (the same on every rank, so rank 0's copy in the checkpoint marker serves
 all). :meth:`PackedBatches.iterate` yields the position *after* each batch,
-rolled over to ``(epoch + 1, 0)`` after an epoch's last batch, so the loop saves what it last received.
+rolled over to ``(epoch + 1, 0)`` after an epoch's last batch, so the loop saves what it last received. Beside it
+the marker keeps the data's :attr:`PackedBatches.fingerprint`; :meth:`PackedBatches.check_resume` refuses a resume
+on other data or past the end of the epoch unless the job says the data changed on purpose (``dataset.changed``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
+import os
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from memfit.api.vocabulary import DatasetFormat, TrainOn
+from memfit.api.vocabulary import DEFAULT_MAX_RECORD_MIB, DatasetFormat, OnBadRecord, TrainOn
+from memfit.contract.reader import ConfigError
 from memfit.contract.sections import DataConfig
 from memfit.contract.termination import one_line
+from memfit.contract.trainer_config import TrainerConfig
 from memfit_trainer.blocks import (
     DOCUMENT,
     IDS,
@@ -64,6 +76,21 @@ from memfit_trainer.blocks import (
     position_ids,
 )
 from memfit_trainer.chat import ChatTemplateError, ConversationTokenizer, Tokens
+from memfit_trainer.records import (
+    MIB,
+    RecordRules,
+    SkippedRecords,
+    check_columns,
+    check_json_files,
+    field_label,
+    good_records,
+    value_problem,
+)
+
+# The data errors, re-exported (defined with the record checks, which need neither torch nor datasets).
+from memfit_trainer.records import DataError as DataError
+from memfit_trainer.records import EmptyDatasetError as EmptyDatasetError
+from memfit_trainer.records import MissingFieldError as MissingFieldError
 
 FORMAT_SUFFIXES: dict[str, tuple[str, ...]] = {
     "json": (".jsonl", ".json", ".jsonl.gz", ".json.gz"),
@@ -81,21 +108,13 @@ FORMAT_ALIASES = {
 SAVE_TO_DISK_METADATA = frozenset({"state.json", "dataset_info.json", "dataset_dict.json"})
 TOKENIZE_BATCH = 256
 DEFAULT_SHUFFLE_BUFFER = 10_000
-
-
-class DataError(ValueError):
-    """The data cannot be used as configured; the message names the file, field or size at fault."""
+FINGERPRINT_SAMPLE_BYTES = 64 * 1024
+"""Of each data file, this much of its start and of its end goes into the data's fingerprint."""
+DATA_FINGERPRINT = "dataFingerprint"
+"""The checkpoint marker's key for :attr:`PackedBatches.fingerprint`."""
 
 
 class UnsupportedFormatError(DataError):
-    pass
-
-
-class MissingFieldError(DataError):
-    pass
-
-
-class EmptyDatasetError(DataError):
     pass
 
 
@@ -117,6 +136,9 @@ class DataSource:
     completion_field: str | None = None
     train_on: TrainOn = TrainOn.ASSISTANT
     packing: bool = True
+    on_bad_record: OnBadRecord = OnBadRecord.FAIL
+    max_record_mib: int = DEFAULT_MAX_RECORD_MIB
+    changed: bool = False
 
     def __post_init__(self) -> None:
         if (self.prompt_field is None) != (self.completion_field is None):
@@ -139,6 +161,12 @@ class DataSource:
             "completionField": self.completion_field,
         }
         return {kind: name for kind, name in named.items() if name is not None}
+
+    @property
+    def rules(self) -> RecordRules:
+        """What each record must hold (:mod:`memfit_trainer.records`)."""
+        skip = self.on_bad_record == OnBadRecord.SKIP
+        return RecordRules(self.fields, self.max_record_mib * MIB, skip)
 
 
 @dataclass(frozen=True, order=True)
@@ -218,31 +246,85 @@ def resolve_data_files(path: str | Path, fmt: str | None = None) -> tuple[str, l
     return found, files
 
 
-def load_records(source: DataSource, cache_dir: str | None = None) -> Any:
-    """The source's records as a ``datasets`` Dataset (or IterableDataset when streaming), checked non-empty
-    and carrying the configured field."""
+def check_data_files(source: DataSource, skipped: SkippedRecords | None = None) -> tuple[str, list[str], int]:
+    """The ``datasets`` builder, the files, and how many bad records ``onBadRecord: skip`` leaves out, after every
+    JSON Lines record was read and checked (a stream's are checked as read) and parquet and arrow columns
+    checked from their schema (:mod:`memfit_trainer.records`); a bad record raises its one line."""
+    builder, files = resolve_data_files(source.path, source.format)
+    if builder != "json":
+        check_columns(builder, files, source.rules)
+        return builder, files, 0
+    if source.streaming:
+        return builder, files, 0
+    return builder, files, check_json_files(files, source.rules, source.path, skipped).count
+
+
+def _json_stream(files: list[str], rules: RecordRules) -> Any:
+    """A stream of JSON Lines records checked as read (each file a shard, as the ``json`` builder's)."""
+    from datasets import IterableDataset
+
+    return IterableDataset.from_generator(
+        good_records, gen_kwargs={"files": files, "rules": rules, "skipped": SkippedRecords()}
+    )
+
+
+def _without_bad_records(files: list[str], rules: RecordRules) -> Any:
+    """The usable records, loaded whole, where ``onBadRecord: skip`` leaves bad ones out."""
+    from datasets import Dataset
+
+    return Dataset.from_list(list(good_records(files, rules, SkippedRecords(quiet=True))))
+
+
+def _loaded(source: DataSource, builder: str, files: list[str], cache_dir: str | None) -> Any:
+    """The files as the ``datasets`` builder loads them (every record checked already, or a columnar file)."""
     from datasets import load_dataset
+
+    return load_dataset(builder, data_files=files, split="train", streaming=source.streaming, cache_dir=cache_dir)
+
+
+def load_records(source: DataSource, cache_dir: str | None = None) -> Any:
+    """The source's records as a ``datasets`` Dataset (or IterableDataset when streaming), checked
+    (:func:`check_data_files`) and non-empty."""
     from datasets.exceptions import DatasetGenerationError
     from pyarrow import ArrowInvalid
 
-    builder, files = resolve_data_files(source.path, source.format)
+    builder, files, skipped = check_data_files(source)
     try:
-        records = load_dataset(
-            builder, data_files=files, split="train", streaming=source.streaming, cache_dir=cache_dir
-        )
+        if builder == "json" and source.streaming:
+            records = _json_stream(files, source.rules)
+        elif skipped:
+            records = _without_bad_records(files, source.rules)
+        else:
+            records = _loaded(source, builder, files, cache_dir)
         first = next(iter(records.take(1)), None)
-    except StopIteration as exc:  # the json builder's way of saying "no rows at all"
-        raise EmptyDatasetError(f"dataset {source.path!r} has no records") from exc
-    except (DatasetGenerationError, ArrowInvalid) as exc:  # a file it cannot parse (a stream: at its first rows)
+    except (DatasetGenerationError, ArrowInvalid) as exc:  # a columnar file it cannot read
         reason = one_line(exc.__cause__ or exc)
         raise DataError(f"dataset {source.path!r} cannot be read as {builder}: {reason}") from exc
     if first is None:
         raise EmptyDatasetError(f"dataset {source.path!r} has no records")
-    fields = list(records.column_names or first.keys())
-    for kind, name in source.fields.items():
-        if name not in fields:
-            raise MissingFieldError(f"{kind} {name!r} is not a field of {source.path!r}; fields: {fields}")
     return records
+
+
+def config_sources(data: DataConfig) -> dict[str, DataSource]:
+    """The training data and, where it has files of its own, the validation data, by their config field."""
+    training = DataSource.from_config(data)
+    own = None if data.validation is None else data.validation.path
+    return {"data.path": training} | ({} if own is None else {"data.validation.path": replace(training, path=own)})
+
+
+def check_before_start(config: TrainerConfig) -> None:
+    """``memfit-train``'s data check, on rank 0 before the process group starts (:func:`check_data_files` of the
+    training and validation files): a bad record is the ConfigError the trainer reports (one line, exit 2, a
+    ConfigError termination message) before any weights load."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    for where, source in config_sources(config.data).items():
+        try:
+            check_data_files(source, SkippedRecords(quiet=True))
+        except FileNotFoundError as error:
+            raise ConfigError(f"{where}: {error}") from error
+        except DataError as error:
+            raise ConfigError(str(error)) from error
 
 
 # --- tokens ----------------------------------------------------------------------------------------
@@ -267,24 +349,25 @@ class DocumentTokenizer:
         adds = bos is not None and tokenizer("x", add_special_tokens=True)["input_ids"][:1] == [bos]
         return [int(bos)] if adds else []
 
-    def _strings(self, values: list[Any], kind: str) -> list[str]:
-        for value in values:
-            if not isinstance(value, str):
-                raise DataError(
-                    f"{kind} {self.source.fields[kind]!r} must hold strings, got {type(value).__name__} "
-                    f"({self.source.path!r})"
-                )
+    def _strings(self, values: list[Any], kind: str, first: int) -> list[str]:
+        """``values`` (a parquet or arrow column may hold nulls its schema allows); a bad one names its record."""
+        for number, value in enumerate(values, start=first):
+            problem = value_problem(kind, value)
+            if problem is not None:
+                label = field_label(kind, self.source.fields[kind])
+                raise DataError(f"{self.source.path!r} record {number}: {label}: {problem}")
         return values
 
-    def _texts(self, values: list[Any]) -> list[Tokens]:
-        ids = self.tokenizer(self._strings(values, "textField"), add_special_tokens=True)["input_ids"]
+    def _texts(self, values: list[Any], first: int) -> list[Tokens]:
+        ids = self.tokenizer(self._strings(values, "textField", first), add_special_tokens=True)["input_ids"]
         docs = [doc if doc and doc[-1] == self.eos else [*doc, self.eos] for doc in ids]
         return [Tokens(doc, [True] * len(doc)) for doc in docs]
 
-    def _prompts(self, prompts: list[Any], completions: list[Any]) -> list[Tokens]:
+    def _prompts(self, prompts: list[Any], completions: list[Any], first: int) -> list[Tokens]:
         encode = self.tokenizer
-        prompt_ids = encode(self._strings(prompts, "promptField"), add_special_tokens=False)["input_ids"]
-        completion_ids = encode(self._strings(completions, "completionField"), add_special_tokens=False)["input_ids"]
+        prompt_ids = encode(self._strings(prompts, "promptField", first), add_special_tokens=False)["input_ids"]
+        completions = self._strings(completions, "completionField", first)
+        completion_ids = encode(completions, add_special_tokens=False)["input_ids"]
         everything = self.source.train_on == TrainOn.ALL
         return [
             Tokens(
@@ -306,10 +389,10 @@ class DocumentTokenizer:
         """The documents of a batch of records; ``first`` is the first record's index (named in errors)."""
         source = self.source
         if source.text_field is not None:
-            return self._texts(batch[source.text_field])
+            return self._texts(batch[source.text_field], first)
         if source.messages_field is not None:
             return self._conversations(batch[source.messages_field], first)
-        return self._prompts(batch[str(source.prompt_field)], batch[str(source.completion_field)])
+        return self._prompts(batch[str(source.prompt_field)], batch[str(source.completion_field)], first)
 
     def documents(self, records: Any) -> Iterator[Tokens]:
         """Every record's document, in order; empty ones (no tokens) are left out."""
@@ -395,6 +478,7 @@ class PackedBatches:
         self.source = source
         self.shape = shape
         self.shuffle = shuffle
+        self.shuffle_buffer = shuffle_buffer
         self.blocks_per_step = shape.world_size * shape.micro_batch_size
         if source.streaming:
             self._stream = records.shuffle(seed=shape.seed, buffer_size=shuffle_buffer) if shuffle else records
@@ -432,6 +516,37 @@ class PackedBatches:
         """Micro-batches each rank gets per epoch; ``None`` when streaming (known only by reading it all)."""
         return None if self._blocks is None else len(self._blocks) // self.blocks_per_step
 
+    @cached_property
+    def fingerprint(self) -> dict[str, Any]:
+        """The data and its order, cheaply: each file's name (under the dataset's path), size and a hash of its
+        first and last 64 KiB; the fields, masking, packing, sequence length, seed and shuffling; and, loaded
+        whole, the blocks per epoch (what a changed tokenizer or validation split shows in). Stored in every
+        checkpoint's marker (:data:`DATA_FINGERPRINT`) and compared on resume (:meth:`check_resume`)."""
+        files = file_samples(self.source)
+        blocks = None if self._blocks is None else len(self._blocks)
+        source = self.source
+        order = [source.format, source.fields, source.train_on, source.packing, source.streaming, self.shuffle,
+                 self.shuffle_buffer, self.shape.sequence_length, self.shape.seed, blocks]  # fmt: skip
+        digest = hashlib.sha256(json.dumps([files, order], default=str).encode()).hexdigest()
+        return {"sha256": digest, "files": len(files), "bytes": sum(size for _, size, _ in files), "blocks": blocks}
+
+    def check_resume(
+        self, position: DataPosition, blocks_per_step_then: int, written: Mapping[str, Any] | None
+    ) -> None:
+        """Refuse to go on from a checkpoint's ``position`` (in micro-steps of ``blocks_per_step_then`` blocks) on
+        data other than its fingerprint ``written`` says (None: a checkpoint written before fingerprints), or past
+        the end of this data's epoch, unless the job says the data changed on purpose (``dataset.changed``)."""
+        if self.source.changed:
+            return
+        if written is not None and written.get("sha256") != self.fingerprint["sha256"]:
+            raise DataError(
+                f"the checkpoint was written on other data than {self.source.path!r} holds now, or in another order "
+                f"(then: {described(written)}; now: {described(self.fingerprint)}); set dataset.changed: true to go "
+                "on with this data, or start from an empty output directory"
+            )
+        if self._blocks is not None and position.micro_batch * blocks_per_step_then > len(self._blocks):
+            raise past_the_end(position.micro_batch, position.epoch, len(self._blocks) // blocks_per_step_then)
+
     def _epoch_steps(self, epoch: int, start: int) -> Iterator[list[np.ndarray]]:
         """The epoch's complete global micro-steps (lists of blocks) from micro-step ``start`` on."""
         blocks: Iterator[np.ndarray]
@@ -451,10 +566,7 @@ class PackedBatches:
                 yield step
             seen += 1
         if seen < skip:
-            raise DataError(
-                f"resume position {start} is past the end of epoch {epoch} ({seen} micro-batches); "
-                "has the dataset, sequence length, batch size or world size changed?"
-            )
+            raise past_the_end(start, epoch, seen)
 
     def _batch(self, step: list[np.ndarray]) -> dict[str, torch.Tensor]:
         mine = step[self.shape.rank * self.shape.micro_batch_size : (self.shape.rank + 1) * self.shape.micro_batch_size]
@@ -475,10 +587,7 @@ class PackedBatches:
         epoch, index = (start or DataPosition()).epoch, (start or DataPosition()).micro_batch
         per_epoch = self.micro_batches_per_epoch
         if per_epoch is not None and index > per_epoch:
-            raise DataError(
-                f"resume position {index} is past the end of epoch {epoch} ({per_epoch} micro-batches); "
-                "has the dataset, sequence length, batch size or world size changed?"
-            )
+            raise past_the_end(index, epoch, per_epoch)
         while True:
             steps = self._epoch_steps(epoch, index)
             current = next(steps, None)
@@ -491,6 +600,41 @@ class PackedBatches:
                 yield after, self._batch(current)
                 current = following
             epoch, index = epoch + 1, 0
+
+
+def past_the_end(position: int, epoch: int, micro_batches: int) -> DataError:
+    return DataError(
+        f"resume position {position} is past the end of epoch {epoch} ({micro_batches} micro-batches); "
+        "has the dataset, sequence length, batch size or world size changed? (dataset.changed: true goes on "
+        "with the next epoch)"
+    )
+
+
+def described(fingerprint: Mapping[str, Any]) -> str:
+    blocks = fingerprint.get("blocks")
+    per_epoch = "" if blocks is None else f", {blocks} blocks per epoch"
+    return f"{fingerprint.get('files')} file(s), {fingerprint.get('bytes')} bytes{per_epoch}"
+
+
+def _sample_hash(file: Path, size: int) -> str:
+    """A hash of the file's first and last :data:`FINGERPRINT_SAMPLE_BYTES`."""
+    digest = hashlib.sha256()
+    with file.open("rb") as handle:
+        digest.update(handle.read(FINGERPRINT_SAMPLE_BYTES))
+        handle.seek(max(0, size - FINGERPRINT_SAMPLE_BYTES))
+        digest.update(handle.read(FINGERPRINT_SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+def file_samples(source: DataSource) -> list[tuple[str, int, str]]:
+    """Each data file's name under the dataset's path (the same on every machine), size and sample hash."""
+    root = Path(source.path)
+    samples = []
+    for name in resolve_data_files(source.path, source.format)[1]:
+        file = Path(name)
+        size = file.stat().st_size
+        samples.append((file.name if root.is_file() else str(file.relative_to(root)), size, _sample_hash(file, size)))
+    return samples
 
 
 def build_batches(

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -108,6 +109,7 @@ class DeepSpeed:
 
     def load_checkpoint(self, directory: Path) -> bool:
         path, _ = self.engine.load_checkpoint(str(directory), tag=DEEPSPEED_TAG, load_module_strict=not self.lora)
+        replay_bias_correction(self.engine.basic_optimizer, self.device)
         return path is not None
 
     def load_converted(self, universal: Path) -> bool:
@@ -122,6 +124,62 @@ class DeepSpeed:
             exclude_frozen_parameters=self.lora
         )
         return state
+
+
+EmptyStep = Callable[[int, dict[str, Any]], None]
+"""One call of a C++ Adam step for ``(step, parameter group)`` on no elements."""
+
+
+def _empty_adam_step(optimizer: torch.optim.Optimizer, device: torch.device) -> EmptyStep | None:
+    """The C++ Adam step of ``optimizer`` on empty tensors, where its bias correction lives in DeepSpeed's C++
+    ``Adam_Optimizer``: DeepSpeedCPUAdam's ``adam_update`` (ops/adam/cpu_adam.py:170, one C++ optimizer per
+    ``opt_id``), and on the CPU accelerator FusedAdam's ``multi_tensor_adam``, which steps the same class
+    (csrc/cpu/adam/fused_adam.cpp:10-51, one C++ optimizer per AdamW mode); ``None`` for any other (CUDA's
+    FusedAdam computes the correction from the step at each call)."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+    empty = torch.empty(0)
+    if isinstance(optimizer, DeepSpeedCPUAdam):
+        update = optimizer.ds_opt_adam.adam_update
+        return lambda step, group: update(
+            optimizer.opt_id, step, group["lr"], *group["betas"], group["eps"], group["weight_decay"],
+            group["bias_correction"], empty, empty, empty, empty,
+        )  # fmt: skip
+    if isinstance(optimizer, FusedAdam) and device.type == "cpu":
+        no_overflow = torch.zeros(1, dtype=torch.int)  # read by CUDA's kernel only
+        return lambda step, group: optimizer.multi_tensor_adam(
+            _FUSED_ADAM_CHUNK, no_overflow, [[empty]] * 4, group["lr"], *group["betas"], group["eps"], step,
+            optimizer.adam_w_mode, int(group["bias_correction"]), group["weight_decay"],
+        )  # fmt: skip
+    return None
+
+
+_FUSED_ADAM_CHUNK = 2048 * 32
+"""FusedAdam's ``multi_tensor_applier`` chunk size (ops/adam/fused_adam.py:13); the CPU op ignores it."""
+
+
+def _optimizer_step(optimizer: torch.optim.Optimizer) -> int:
+    """The steps the loaded optimizer has taken (every parameter steps together; 0 before the first)."""
+    return max((int(state["step"]) for state in optimizer.state.values() if "step" in state), default=0)
+
+
+def replay_bias_correction(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Rebuild the C++ Adam's bias-correction state after a load, so that a resumed run is bit-exact.
+
+    DeepSpeed's C++ Adam keeps beta1^t and beta2^t as running float products (csrc/includes/cpu_adam.h:71-93,
+    ``IncrementStep``: multiplied by beta once when called with the next step, recomputed with ``std::pow`` when
+    called with any other), and no checkpoint holds them: a resumed process, called first with step t+1, takes
+    ``pow``, which differs from the product in the last bits at many steps (resuming the tiny llama from step 2, 5
+    or 13 moved its weights) and through the bias correction (cpu_adam.h:94-106) every later update. Calling the
+    C++ step with the steps 1..t on empty tensors, each parameter group in turn as the optimizer does (its
+    ``IncrementStep`` runs before the update of zero elements, csrc/adam/cpu_adam_impl.cpp:262-266) multiplies
+    the same products the uninterrupted run did."""
+    empty_step = _empty_adam_step(optimizer, device)
+    if empty_step is None:
+        return
+    for step in range(1, _optimizer_step(optimizer) + 1):
+        for group in optimizer.param_groups:  # ZeRO-3 empties a group's params between steps (stage3.py:1252-1254)
+            empty_step(step, group)
 
 
 def deepspeed_arch_list(value: str) -> str:

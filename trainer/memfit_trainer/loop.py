@@ -12,8 +12,12 @@ Test hooks:
 * ``MEMFIT_TEST_INJECT_OOM_AT_STEP=N`` raises ``torch.OutOfMemoryError`` inside optimizer step N on every
   rank, to exercise the out-of-memory path without a GPU;
 * ``MEMFIT_TEST_HOLD_AFTER_STEP=N:PATH`` makes every rank wait after optimizer step N (its metrics, progress
-  and checkpoint written) until PATH exists, so that a test can scrape, inspect or kill a run that is
-  certainly still going, however fast the machine trains.
+  and checkpoint written) until PATH exists or the rank is asked to stop (:mod:`memfit_trainer.stop`), so that
+  a test can scrape, inspect, stop or kill a run that is certainly still going, however fast the machine
+  trains.
+
+Before each optimizer step the ranks agree whether any of them received SIGTERM or SIGINT; if one did, the
+step reached is checkpointed (unless it just was) and :func:`train` returns it without exporting.
 """
 
 from __future__ import annotations
@@ -32,14 +36,16 @@ from memfit_trainer import activation_offload, chunked_loss
 from memfit_trainer.checkpoint import CheckpointManager
 from memfit_trainer.console import ConsoleProgress
 from memfit_trainer.data import DataPosition, flash_varlen_kwargs
+from memfit_trainer.disk_space import said_when_full
 from memfit_trainer.engine import build_engine
 from memfit_trainer.export import save_final
 from memfit_trainer.metrics import TrainerMetrics
 from memfit_trainer.model import build_model
 from memfit_trainer.oom import OomGuard
 from memfit_trainer.optimization import total_optimizer_steps
-from memfit_trainer.resume import check_layout, find_start, resume, save_checkpoint
+from memfit_trainer.resume import check_layout, final_marker, find_start, resume, save_checkpoint
 from memfit_trainer.run import Ranks, Run
+from memfit_trainer.stop import StopRequest
 from memfit_trainer.technique import BatchLoss, Technique
 from memfit_trainer.training_engine import TrainingEngine
 from memfit_trainer.validation import Validation, config_data, report_validation
@@ -56,13 +62,20 @@ def _inject_oom(step: int) -> None:
         raise torch.OutOfMemoryError(f"injected by {INJECT_OOM_ENV}={step} (test hook)")
 
 
-def _hold(step: int) -> None:
+def _hold(step: int, stop: StopRequest) -> None:
     """The ``MEMFIT_TEST_HOLD_AFTER_STEP`` test hook (see the module docstring)."""
     at, _, release = os.environ.get(HOLD_ENV, "").partition(":")
     if at != str(step) or not release:
         return
-    while not os.path.exists(release):
+    while not os.path.exists(release) and not stop.requested:
         time.sleep(HOLD_POLL_SECONDS)
+
+
+def _checkpoint(run: Run, step: int, position: DataPosition, metrics: TrainerMetrics) -> None:
+    started = time.monotonic()
+    with said_when_full(run.manager.root, f"the checkpoint of step {step}"):
+        save_checkpoint(run, step, position)
+    metrics.checkpoint(step=step, seconds=time.monotonic() - started)
 
 
 def _mean_across_ranks(value: torch.Tensor) -> float:
@@ -101,8 +114,11 @@ def _install_techniques(run: Run, progress: ConsoleProgress) -> tuple[BatchLoss,
     return _with_document_boundaries(run.config, loss_of), summaries
 
 
-def train(config: TrainerConfig, ranks: Ranks, metrics: TrainerMetrics, guard: OomGuard) -> None:
-    """Run (or finish) the training the config describes; collective over all ranks.
+def train(
+    config: TrainerConfig, ranks: Ranks, metrics: TrainerMetrics, guard: OomGuard, stop: StopRequest
+) -> int | None:
+    """Run (or finish) the training the config describes; collective over all ranks. The step it stopped at,
+    checkpointed, when ``stop`` was requested before the end; None when the training is done and exported.
 
     The caller runs this inside ``with guard:`` (one guard for the whole run: nesting guards would report
     the inner guard's exit as a second OOM); the loop keeps ``guard.step`` at the step in progress.
@@ -118,16 +134,20 @@ def train(config: TrainerConfig, ranks: Ranks, metrics: TrainerMetrics, guard: O
     built = build_model(config, ranks.local_rank)
     batches, held_out = config_data(config, built.tokenizer, ranks.rank, ranks.world_size)
     total = total_optimizer_steps(training, batches.micro_batches_per_epoch)
+    if start.done(total):  # another layout trained to the end: its final output stands
+        said = f"done already: final output of step {total} in {config.final_dir}"
+        ConsoleProgress(total, enabled=ranks.rank == 0).message(said)
+        return None
     engine = build_engine(config, built.model, total, converted=start.conversion is not None)
     run = Run(config, ranks, engine, manager, batches)
     progress = ConsoleProgress(total, enabled=ranks.rank == 0)
     progress.message(f"metrics: rank 0 serves /metrics on port {metrics.port}")  # ephemeral under `memfit run --local`
     if batches.statistics is not None:  # what truncation and padding cost, said once (not known when streaming)
         progress.message(batches.statistics.describe())
-    position, step = DataPosition(), 0
+    position, step, saved = DataPosition(), 0, 0
     resumed = resume(run, start)
     if resumed is not None:
-        step, position = resumed.step, resumed.position
+        step, position, saved = resumed.step, resumed.position, resumed.step
         progress.message(f"resumed from checkpoint step {step} ({resumed.said})")
     else:
         torch.manual_seed(training.seed + ranks.rank)  # dropout differs per rank, reproducibly
@@ -139,7 +159,7 @@ def train(config: TrainerConfig, ranks: Ranks, metrics: TrainerMetrics, guard: O
     samples_per_rank = training.micro_batch_size * accumulation  # per optimizer step
     tokens_per_rank = samples_per_rank * training.sequence_length
     stream = batches.iterate(position)
-    while step < total:
+    while step < total and not stop.agreed(device):
         started = time.monotonic()
         guard.at(step + 1)  # an OOM from here on is reported as this step's
         loss_sum = torch.zeros((), device=device)
@@ -167,11 +187,17 @@ def train(config: TrainerConfig, ranks: Ranks, metrics: TrainerMetrics, guard: O
         if validation is not None and validation.due(step, total):
             report_validation(validation.evaluate(step), metrics, progress)
         if step % training.checkpoint_every_steps == 0 or step == total:
-            started = time.monotonic()
-            save_checkpoint(run, step, position)
-            metrics.checkpoint(step=step, seconds=time.monotonic() - started)
-        _hold(step)
+            _checkpoint(run, step, position, metrics)
+            saved = step
+        _hold(step, stop)
+    if step < total:  # stopped
+        if saved != step:
+            _checkpoint(run, step, position, metrics)
+        progress.message(f"stopped by {stop.describe()} at step {step}/{total}: run again to resume from there")
+        return step
     for summary in summaries:
         progress.message(summary())
-    save_final(engine, built.tokenizer, config.final_dir, rank=ranks.rank)
+    with said_when_full(config.final_dir.parent, "the final export"):
+        save_final(engine, built.tokenizer, config.final_dir, rank=ranks.rank, marker=final_marker(config, step))
     progress.message(f"done: step {step}/{total}, final output in {config.final_dir}")
+    return None

@@ -8,10 +8,12 @@ numbers the uninterrupted run would have used.
 
 The marker also records the world size and micro-batch size the data position counts in (``dataShape``): a
 checkpoint written at another world size (the fsdp2 engine's load at any) resumes at the same place in the
-data (:func:`~memfit_trainer.data.carry_position`). Where this layout's directory holds no checkpoint, the
-newest checkpoint another layout wrote is converted where a conversion exists (:mod:`memfit_trainer.convert`),
-loaded by the engine (:meth:`~memfit_trainer.training_engine.TrainingEngine.load_converted`) and saved as this
-layout's at the same step before training goes on.
+data (:func:`~memfit_trainer.data.carry_position`). Where another layout (a re-plan, and perhaps back) wrote a
+newer checkpoint than this layout's newest, that one is converted where a conversion exists
+(:mod:`memfit_trainer.convert`), loaded by the engine
+(:meth:`~memfit_trainer.training_engine.TrainingEngine.load_converted`) and saved as this layout's at the same
+step before training goes on; where the final export is newer than any checkpoint the run can load (another
+layout finished the training), a run whose last step it is has nothing to do.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
+from memfit.contract.layout import CheckpointLayout
 from memfit.contract.reader import ConfigError
 from memfit.contract.trainer_config import TrainerConfig
 from memfit_trainer.checkpoint import (
@@ -32,21 +35,33 @@ from memfit_trainer.checkpoint import (
     CheckpointManager,
     fsync_tree,
     load_rng_state,
+    read_final_marker,
     save_rng_state,
 )
 from memfit_trainer.convert import Conversion, ConversionError, find_conversion, universal_dir, write_universal
-from memfit_trainer.data import DataPosition, PackedBatches, carry_position
+from memfit_trainer.data import DATA_FINGERPRINT, DataPosition, PackedBatches, carry_position
 from memfit_trainer.run import Run
 
 
 @dataclass(frozen=True)
 class Start:
-    """Where the run starts: its own layout's checkpoint of ``step``, else a conversion of another layout's
-    (its universal checkpoint written), else the weights; ``refusal`` says why a newer checkpoint is not used."""
+    """Where the run starts: a ``conversion`` of another layout's checkpoint newer than this layout's newest
+    (its universal checkpoint written), else this layout's newest, of ``step``, else the weights; ``refusal``
+    says why a newer checkpoint is not used; ``finished``: the step of a final export newer than all of them."""
 
     step: int | None = None
     conversion: Conversion | None = None
     refusal: str | None = None
+    finished: int | None = None
+
+    @property
+    def newest(self) -> int | None:
+        """The step of the checkpoint the run loads, if any."""
+        return self.conversion.source.step if self.conversion is not None else self.step
+
+    def done(self, total_steps: int) -> bool:
+        """The final export is of this run's last step: the training is done (in another layout)."""
+        return self.finished == total_steps
 
 
 class Resumed(NamedTuple):
@@ -59,28 +74,72 @@ class Resumed(NamedTuple):
 
 def find_start(manager: CheckpointManager, config: TrainerConfig, rank: int) -> Start:
     """Rank 0 decides (and writes the universal checkpoint of a conversion), shared so that all ranks load the
-    same one. A conversion that fails is said in one line and the run starts from the weights."""
+    same one. A conversion that fails is said in one line and the run starts from what else it has."""
     found: list[Start | None] = [None]
     if rank == 0:
         manager.cleanup_stale()
-        latest = manager.latest_complete()
-        start = Start(step=latest.step) if latest is not None else Start()
-        if latest is None:
-            search = find_conversion(manager.root, config.layout)
-            start = Start(conversion=search.conversion, refusal=search.refusal)
+        start = _newest_loadable(manager, config)
+        finished = _finished_step(config)
+        if finished is not None and finished > (start.newest or 0):
+            # Nothing to convert for a run that is done (a run whose steps changed goes on from its own).
+            start = Start(step=start.step, finished=finished)
         if start.conversion is not None:
-            source = start.conversion.source
-            try:
-                partitioned = config.layout.zero_stage == 3  # DeepSpeed ZeRO-3 (an fsdp2 layout records stage 0)
-                write_universal(source, DEEPSPEED_TAG, universal_dir(manager, source.step), partitioned)
-            except ConversionError as error:
-                start = Start(refusal=f"{str(error).splitlines()[0]}; starting from the weights")
+            start = _converted(manager, config, start)
         if start.refusal is not None:
             print(start.refusal, file=sys.stderr, flush=True)
         found = [start]
     dist.broadcast_object_list(found, src=0)
     assert found[0] is not None
     return found[0]
+
+
+def final_marker(config: TrainerConfig, step: int) -> dict[str, Any]:
+    """What the final export records of itself (:data:`~memfit_trainer.checkpoint.FINAL_MARKER`)."""
+    return {"step": step, "layout": config.layout.to_dict()}
+
+
+def _finished_step(config: TrainerConfig) -> int | None:
+    """The step of the final export of this training: of this run's method, precision and master weights (a
+    re-plan of the same training changes only the engine, stage and world size; another starts afresh)."""
+    marker = read_final_marker(config.final_dir)
+    if marker is None or not isinstance(marker.get("step"), int) or not isinstance(marker.get("layout"), dict):
+        return None
+    try:
+        layout = CheckpointLayout.from_dict(marker["layout"])
+    except ValueError:
+        return None
+    own = config.layout
+    same = (layout.method, layout.precision, layout.master_weights) == (own.method, own.precision, own.master_weights)
+    return int(marker["step"]) if same else None
+
+
+def _newest_loadable(manager: CheckpointManager, config: TrainerConfig) -> Start:
+    """This layout's newest checkpoint and the newest of other layouts that converts to it where that is newer
+    (after a re-plan and back both hold checkpoints); a newer one that does not convert said."""
+    own = manager.latest_complete()
+    own_step = None if own is None else own.step
+    search = find_conversion(manager.root, config.layout, newer_than=-1 if own_step is None else own_step)
+    refusal = search.refusal
+    if search.conversion is None and refusal is not None:
+        refusal = f"{refusal}; {_fallback(own_step)}"
+    return Start(step=own_step, conversion=search.conversion, refusal=refusal)
+
+
+def _fallback(own_step: int | None) -> str:
+    return "starting from the weights" if own_step is None else f"resuming from this layout's step {own_step}"
+
+
+def _converted(manager: CheckpointManager, config: TrainerConfig, start: Start) -> Start:
+    """``start`` with its conversion's universal checkpoint written; where that fails, this layout's own
+    newest checkpoint (or the weights), and one line on why."""
+    assert start.conversion is not None
+    source = start.conversion.source
+    try:
+        partitioned = config.layout.zero_stage == 3  # DeepSpeed ZeRO-3 (an fsdp2 layout records stage 0)
+        write_universal(source, DEEPSPEED_TAG, universal_dir(manager, source.step), partitioned)
+    except ConversionError as error:
+        return Start(step=start.step, refusal=f"{str(error).splitlines()[0]}; {_fallback(start.step)}")
+    return start
 
 
 def check_layout(manager: CheckpointManager, step: int, layout: dict[str, Any]) -> None:
@@ -100,10 +159,10 @@ def check_layout(manager: CheckpointManager, step: int, layout: dict[str, Any]) 
 def resume(run: Run, start: Start) -> Resumed | None:
     """Collective: load the state ``start`` names into the run's engine (a conversion also saved as this
     layout's checkpoint); ``None`` where the run starts from the weights."""
-    if start.step is not None:
-        return _resume(run, start.step)
     if start.conversion is not None:
         return _resume_converted(run, start.conversion)
+    if start.step is not None:
+        return _resume(run, start.step)
     return None
 
 
@@ -139,10 +198,11 @@ def _carried_position(checkpoint: Checkpoint, batches: PackedBatches) -> tuple[D
     position = DataPosition.from_dict(checkpoint.data_position)
     said = f"data position {position.to_dict()}"
     shape = checkpoint.marker.get("dataShape")
+    then = batches.blocks_per_step if shape is None else int(shape["worldSize"]) * int(shape["microBatchSize"])
+    batches.check_resume(position, then, checkpoint.marker.get(DATA_FINGERPRINT))  # other data: refused
     if shape is None:
         return position, said
     # Written at another world size (the fsdp2 engine's checkpoints load at any): the same blocks consumed.
-    then = int(shape["worldSize"]) * int(shape["microBatchSize"])
     position, skipped = carry_position(position, then, batches.blocks_per_step)
     per_epoch = batches.micro_batches_per_epoch
     if per_epoch is not None and position.micro_batch > per_epoch:
@@ -168,7 +228,8 @@ def save_checkpoint(run: Run, step: int, position: DataPosition, converted_from:
     if ranks.rank == 0:
         shape = {"worldSize": ranks.world_size, "microBatchSize": training.micro_batch_size}
         origin = {} if converted_from is None else {"convertedFrom": converted_from}
-        marker = {"dataPosition": position.to_dict(), "dataShape": shape, "layout": run.config.layout.to_dict()}
+        marker = {"dataPosition": position.to_dict(), "dataShape": shape, "layout": run.config.layout.to_dict(),
+                  DATA_FINGERPRINT: run.batches.fingerprint}  # fmt: skip
         manager.commit(step, {**marker, **origin})
         manager.prune(training.keep_checkpoints)
     dist.barrier()
