@@ -219,6 +219,8 @@ class TerminationReason(StrEnum):
     """A checkpoint or the export could not be written: the output volume is full."""
     STOPPED = "Stopped"
     """Stopped on SIGTERM or SIGINT after a checkpoint of the step it was at: a restart resumes there."""
+    NON_FINITE = "NonFinite"
+    """The loss or the gradient norm of a step was NaN or infinite: stopped before anything of it was written."""
 
 
 class StepPhase(StrEnum):

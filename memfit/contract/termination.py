@@ -11,6 +11,9 @@ Its ``reason`` is a ``memfit.api.vocabulary.TerminationReason``:
   (exit code 2); restarting cannot help, so the operator fails the job with the message;
 * ``{"reason": "NoSpace", "message": ...}``: a checkpoint or the export could not be written, the output
   volume is full (exit code 2); restarting cannot help until someone frees space;
+* ``{"reason": "NonFinite", "message": ...}``: a step's loss or gradient norm was NaN or infinite; the run
+  stopped before writing anything of it (exit code 2): the message names the step and the checkpoint the
+  run had started from; restarting from that checkpoint would train on the same data to the same end;
 * ``{"reason": "Completed", "progress": ...}``: rank 0 finished training (exit code 0); its last progress
   (``memfit.contract.progress``), which the operator's periodic reads of its metrics can have missed (a
   job shorter than their interval, the last steps after the last read);

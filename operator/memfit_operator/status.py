@@ -98,7 +98,7 @@ def _trainer_message(message: str | None) -> tuple[Outcome, str] | None:
         return Outcome.OUT_OF_MEMORY, f"CUDA out of memory at step {payload.get('step')}{detail}"
     if payload.get("reason") == TerminationReason.CONFIG_ERROR:
         return Outcome.CONFIG_ERROR, f"the trainer refused its config: {payload.get('message')}"
-    if payload.get("reason") == TerminationReason.NO_SPACE:  # permanent until someone frees space
+    if payload.get("reason") in (TerminationReason.NO_SPACE, TerminationReason.NON_FINITE):  # a restart cannot help
         return Outcome.CONFIG_ERROR, str(payload.get("message"))
     return None
 

@@ -92,3 +92,10 @@ def test_the_trainers_config_error_is_its_own_outcome_and_wins_over_others() -> 
     assert refused.reason == "n1: the trainer refused its config: dataset field `text` missing"
     oom = report_pod(pod("n0", "Failed", 137, "OOMKilled"))
     assert gang_state([oom, refused], 2).outcome is Outcome.CONFIG_ERROR
+
+
+def test_a_non_finite_step_fails_the_job_with_its_message() -> None:
+    """A restart would resume from the same checkpoint and train on the same data to the same NaN."""
+    said = "step 6: loss nan: stopped before writing anything of it (the run started from checkpoint step 4)"
+    stopped = report_pod(pod("n0", "Failed", 2, "Error", json.dumps({"reason": "NonFinite", "message": said})))
+    assert stopped.outcome is Outcome.CONFIG_ERROR and stopped.reason == f"n0: {said}"

@@ -23,6 +23,7 @@ from memfit.api.vocabulary import TerminationReason
 from memfit.contract.trainer_config import TrainerConfig
 from memfit_trainer.checkpoint import COMPLETE_MARKER, CheckpointManager
 from memfit_trainer.loop import HOLD_ENV
+from memfit_trainer.output_lock import WAIT_ENV
 from tests.trainer.runs import make_config, run_trainer, torchrun_command, trainer_env, write_config
 
 pytestmark = pytest.mark.distributed
@@ -58,7 +59,7 @@ def test_a_second_run_is_refused_and_sigterm_checkpoints_the_step_reached(tmp_pa
     )  # fmt: skip
     try:
         wait_for_step(config, first, STOP_AT)
-        second = run_trainer(config_path)
+        second = run_trainer(config_path, **{WAIT_ENV: "0"})  # a live holder: refused at once
         assert second.returncode != 0, first_traceback(second.stderr)
         refusals = [line for line in second.stderr.splitlines() if line.startswith("memfit-train: ")]
         assert refusals and set(refusals) == {refusals[0]}, second.stderr[-4000:]

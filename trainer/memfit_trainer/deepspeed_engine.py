@@ -102,6 +102,12 @@ class DeepSpeed:
     def learning_rate(self) -> float:
         return float(self.lr_scheduler.get_last_lr()[0])
 
+    @property
+    def last_grad_norm(self) -> float | None:
+        """DeepSpeed's norm of the last step where it clipped (None where it computed none)."""
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
     def save_checkpoint(self, directory: Path) -> None:
         self.engine.save_checkpoint(
             str(directory), tag=DEEPSPEED_TAG, save_latest=False, exclude_frozen_parameters=self.lora

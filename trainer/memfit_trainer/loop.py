@@ -22,6 +22,7 @@ step reached is checkpointed (unless it just was) and :func:`train` returns it w
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -83,6 +84,23 @@ def _mean_across_ranks(value: torch.Tensor) -> float:
     value = value.detach().float()
     dist.all_reduce(value)
     return value.item() / dist.get_world_size()
+
+
+class NonFiniteStep(Exception):
+    """A step's loss or gradient norm was NaN or infinite (its update is in memory only: nothing was written)."""
+
+
+def _check_finite(step: int, loss: float, grad_norm: float | None, started_from: int | None) -> None:
+    """Training on garbage stops here, before the step's metrics, checkpoint or export: every rank holds the
+    same reduced loss (and norm), so all of them stop together."""
+    bad = [f"{name} {value}" for name, value in (("loss", loss), ("gradient norm", grad_norm))
+           if value is not None and not math.isfinite(value)]  # fmt: skip
+    if bad:
+        origin = f"checkpoint step {started_from}" if started_from is not None else "the initial weights"
+        raise NonFiniteStep(
+            f"step {step}: {' and '.join(bad)}: stopped before writing anything of it (the run started from "
+            f"{origin}); lower training.learningRate or check the data"
+        )
 
 
 def _model_loss(engine: TrainingEngine) -> BatchLoss:
@@ -172,6 +190,7 @@ def train(
         _inject_oom(step + 1)
         step += 1
         loss_value = _mean_across_ranks(loss_sum / accumulation)
+        _check_finite(step, loss_value, engine.last_grad_norm, resumed.step if resumed is not None else None)
         seconds = time.monotonic() - started
         learning_rate = engine.learning_rate
         metrics.step(

@@ -69,7 +69,7 @@ def run(config: TrainerConfig) -> int:
     from memfit_trainer.data import DataError
     from memfit_trainer.disk_space import NoSpaceLeft
     from memfit_trainer.engine import init_process_group
-    from memfit_trainer.loop import train
+    from memfit_trainer.loop import NonFiniteStep, train
     from memfit_trainer.metrics import TrainerMetrics
     from memfit_trainer.oom import OomGuard
     from memfit_trainer.output_lock import lock_output_dir
@@ -100,6 +100,9 @@ def run(config: TrainerConfig) -> int:
         return EXIT_CONFIG
     except NoSpaceLeft as error:
         report_refusal(TerminationReason.NO_SPACE, str(error), config.termination_log)
+        return EXIT_CONFIG
+    except NonFiniteStep as error:
+        report_refusal(TerminationReason.NON_FINITE, str(error), config.termination_log)
         return EXIT_CONFIG
     finally:
         metrics.close()

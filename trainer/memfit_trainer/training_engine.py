@@ -35,6 +35,10 @@ class TrainingEngine(Protocol):
     def learning_rate(self) -> float:
         """The learning rate of the last optimizer step."""
 
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm of the last optimizer step, where the engine computed one (to clip it)."""
+
     def save_checkpoint(self, directory: Path) -> None:
         """Collective: write the training state (model, optimizer, LR schedule) into ``directory``."""
 
