@@ -74,6 +74,7 @@ bench: setup
 	$(PY) bench/planner_speed.py
 	PYTHONPATH=. $(PY) bench/estimate_vs_trace.py | tail -n 8
 	DS_ACCELERATOR=cpu $(PY) bench/trainer_vs_deepspeed.py
+	$(PY) bench/verify_speed.py
 	KUBEBUILDER_ASSETS="$${KUBEBUILDER_ASSETS:-$$($(ENVTEST))}" $(PY) bench/operator_scale.py --jobs 500
 
 # The operator image and a CPU trainer built with podman from the Dockerfile, on a machine that pulls from no

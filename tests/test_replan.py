@@ -328,3 +328,23 @@ def test_master_weights_are_part_of_the_checkpoint_layout() -> None:
     assert fp32.to_dict() == {"method": "full", "precision": "bf16", "zeroStage": 2, "worldSize": 8}
     assert bf16 != fp32 and bf16.directory_name == "full-bf16-zero2-8ranks-bf16masters"
     assert bf16.to_dict() == {**fp32.to_dict(), "masterWeights": "bf16"}
+
+
+def test_a_replan_resumes_from_the_checkpoint_rather_than_start_over_faster() -> None:
+    """The tiny example on two CPU ranks, out of memory under ZeRO-1 (the e2e OOM test): the fastest leaner
+    plan, ZeRO-0, cannot load a ZeRO-1 checkpoint and would start from the weights; a leaner plan that
+    resumes (converted) goes first, and only where the failed run left no checkpoint does speed decide."""
+    document = yaml.safe_load((ROOT / "examples" / "tiny" / "job.yaml").read_text())["spec"]
+    document["resources"] = {"pool": "cpu", "maxGPUs": 2}
+    job = FineTuneJobSpec.model_validate(document)
+    pools = load_documents(ROOT / "examples" / "cpu" / "pool.yaml").pools
+    failed = first_plan(job, pools)
+    assert (failed.strategy.zero_stage, failed.strategy.gpus) == (1, 2)
+    excluded = [failed.strategy.identity()]
+    fastest, _ = replan_after_oom(job, pools, failed, excluded, checkpointed=False)
+    resuming, kept = replan_after_oom(job, pools, failed, excluded)
+    assert fastest.chosen is not None and resuming.chosen is not None and not kept
+    assert checkpoint_layout(failed).converts_to(checkpoint_layout(fastest.chosen)) is not None
+    assert checkpoint_layout(failed).converts_to(checkpoint_layout(resuming.chosen)) is None
+    assert resuming.why_chosen is not None and "resumes from the last checkpoint" in resuming.why_chosen
+    assert resuming.chosen.memory.per_gpu.total <= failed.memory.per_gpu.total * (1 - LEANER_BY)

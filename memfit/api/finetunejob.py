@@ -538,7 +538,11 @@ class Attempt(ApiModel):
     reason: StrictStr | None = None
     """Why it ended, in a sentence."""
     resumed_from_step: Annotated[int, Strict(), Field(ge=0, le=MAX_COUNTER)] | None = None
-    """The checkpoint step it started from, if any."""
+    """The checkpoint step it started from, if any: the trainer's own word once its rank 0 has reported
+    (`checkpointsSetAside` is then set), until then the step the operator launched it to resume from."""
+    checkpoints_set_aside: Annotated[int, Strict(), Field(ge=0, le=MAX_COUNTER)] | None = None
+    """Newer checkpoints the trainer set aside (renamed, not deleted) before resuming, as they failed
+    verification or could not be read; rank 0's log names them. Null until its rank 0 has reported."""
 
 
 class FineTuneJobStatus(ApiModel):

@@ -188,6 +188,11 @@ class Reason(StrEnum):
     SUSPEND_REQUESTED = "SuspendRequested"
     SUSPENDED = "Suspended"
     RESUMED = "Resumed"
+    """spec.suspend is false again: a new attempt resumes from the last checkpoint."""
+    RESUMED_FROM = "ResumedFrom"
+    """The trainer resumed from another checkpoint than the one the launch expected (an Event, once)."""
+    CHECKPOINT_SET_ASIDE = "CheckpointSetAside"
+    """The trainer set aside newer checkpoints that failed verification or could not be read (a Warning, once)."""
 
 
 class Outcome(StrEnum):

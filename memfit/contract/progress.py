@@ -7,10 +7,11 @@ a partial one. It is not fsynced: after a node crash it may be a step or two sta
 report needs. Local runs read it (``read_progress`` / ``parse_progress``); in the cluster the operator asks
 for no file and scrapes the same numbers from rank 0's ``/metrics`` (``memfit_train_step``,
 ``memfit_train_total_steps``, ``memfit_train_progress_ratio``, ``memfit_train_eta_seconds``,
-``memfit_validation_loss``, ``memfit_validation_step``).
+``memfit_validation_loss``, ``memfit_validation_step``, ``memfit_checkpoint_resumed_from_step``,
+``memfit_checkpoints_set_aside``).
 
 One JSON object, camelCase keys, every key always present (``null`` where unknown; documents written before
-the validation keys existed read as ``null`` for them)::
+the validation and resume keys existed read as ``null``, and 0 set aside, for them)::
 
     {
       "step": 120,                     # optimizer steps completed
@@ -19,7 +20,9 @@ the validation keys existed read as ``null`` for them)::
       "tokensPerSecond": 5321.7,       # whole job, estimated as rank 0's recent rate x world size
       "etaSeconds": 3270.4,            # remaining steps (and checkpoints) at the recent pace; null without totalSteps
       "eta": "2025-01-01T13:00:00Z",   # RFC 3339, UTC: updated + etaSeconds; null without totalSteps
-      "lastCheckpointStep": 100,       # last checkpoint this process saved (null until its first, even on resume)
+      "lastCheckpointStep": 100,       # last checkpoint this process saved, or resumed from before its first save
+      "resumedFromStep": 100,          # the checkpoint this process resumed from (null: it started from the weights)
+      "checkpointsSetAside": 0,        # newer checkpoints this process set aside as unusable before resuming
       "loss": 1.83,                    # training loss of the last step, null if it was NaN or infinite
       "validationLoss": 1.91,          # mean loss over the validation target tokens at validationStep; null
                                        # until this process's first evaluation (or if it was NaN or infinite)
@@ -47,6 +50,8 @@ TOKENS_PER_SECOND_METRIC = "memfit_train_tokens_per_second"
 CHECKPOINT_STEP_METRIC = "memfit_checkpoint_last_step"
 VALIDATION_LOSS_METRIC = "memfit_validation_loss"
 VALIDATION_STEP_METRIC = "memfit_validation_step"
+RESUMED_FROM_STEP_METRIC = "memfit_checkpoint_resumed_from_step"
+SET_ASIDE_METRIC = "memfit_checkpoints_set_aside"
 """The series of rank 0's /metrics the operator reads progress from."""
 
 
@@ -63,6 +68,8 @@ class Progress(ApiModel):
     loss: float | None
     validation_loss: float | None = None
     validation_step: NonNegativeInt | None = None
+    resumed_from_step: NonNegativeInt | None = None
+    checkpoints_set_aside: NonNegativeInt = 0
     updated: AwareDatetime
 
     def to_json(self) -> str:

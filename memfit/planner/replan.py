@@ -51,9 +51,11 @@ def replan_after_oom(
     failed: PlanCandidate,
     excluded: Collection[str],
     model: PlannedModel | None = None,
+    checkpointed: bool = True,
 ) -> tuple[PlanResult, bool]:
     """The leaner plan after ``failed`` ran out of memory, and whether it keeps the checkpoint layout (``model``:
-    the profiled model ``failed`` was planned for, as ``plan_job`` takes it)."""
+    the profiled model ``failed`` was planned for, as ``plan_job`` takes it; ``checkpointed``: the failed run
+    left a checkpoint, so a plan that resumes from it goes before a faster one that would start over)."""
     resources = spec.resources.model_copy(update={"memory_headroom_percent": leaner_headroom_percent(spec, failed)})
     leaner = spec.model_copy(update={"resources": resources})
     strategy = failed.strategy
@@ -69,7 +71,24 @@ def replan_after_oom(
     if kept.chosen is not None and checkpoint_layout(kept.chosen) == checkpoint_layout(failed):
         return kept, True
     result = only_leaner(plan_job(leaner, pools, exclude=excluded, model=model), failed)
+    if checkpointed:
+        result = resuming_first(result, failed)
     return result, result.chosen is not None and checkpoint_layout(result.chosen) == checkpoint_layout(failed)
+
+
+def resuming_first(result: PlanResult, failed: PlanCandidate) -> PlanResult:
+    """``result`` with the fastest plan that resumes from ``failed``'s checkpoint (converted) chosen over a
+    faster one that cannot load it and would start from the weights, throwing the training so far away."""
+    source = checkpoint_layout(failed)
+    resuming = [plan for plan in result.candidates if source.converts_to(checkpoint_layout(plan)) is None]
+    if result.chosen is None or not resuming or resuming[0] is result.chosen:
+        return result
+    skipped = source.converts_to(checkpoint_layout(result.chosen))
+    why = (
+        f"the fastest leaner plan that resumes from the last checkpoint (the faster "
+        f"{result.chosen.strategy.summary()} cannot load it: {skipped})"
+    )
+    return result.model_copy(update={"chosen": resuming[0], "why_chosen": why})
 
 
 def _share(plan: PlanCandidate) -> float:

@@ -27,7 +27,7 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from memfit.api.finetunejob import FineTuneJobStatus, Progress
+from memfit.api.finetunejob import FineTuneJobStatus
 from memfit.api.gpupool import GPUPool
 from memfit.api.loading import describe_validation_error
 from memfit.api.vocabulary import MANAGED_BY, MANAGED_BY_LABEL, TIMESTAMP_FORMAT, Phase, Reason
@@ -35,7 +35,7 @@ from memfit_operator.cluster_api import GROUP, JOBS, VERSION, ClusterApi, load_c
 from memfit_operator.metrics import FOLLOW_HANDLER, OperatorMetrics
 from memfit_operator.objects import attempt_of, owned_pods, owner_of, profile_of
 from memfit_operator.peering import announce_missing_peering
-from memfit_operator.progress import fetch_progress, rank0_address
+from memfit_operator.progress import TrainerReport, fetch_progress, rank0_address
 from memfit_operator.reconcile import ACTIVE, Decision, Observation, reconcile, wanted_profile
 from memfit_operator.settings import OperatorSettings
 
@@ -163,7 +163,8 @@ class JobFollower:
         self.key = f"{namespace}/{name}"
         self.written: dict[str, Any] | None = None
         """The status as this daemon last wrote it: newer than the watched body until the watch catches up."""
-        self.progress: Progress | None = None
+        self.report: TrainerReport | None = None
+        """What rank 0 of the current attempt last said (progress, where it resumed from), until a pass uses it."""
         self.progress_read_at = 0.0
         self.created: dict[tuple[str, str], float] = {}
         """(kind, name) -> when this daemon created it (or found it existing)."""
@@ -180,11 +181,13 @@ class JobFollower:
         await self._read_progress(status, job, pods)
         now = datetime.now(UTC).strftime(TIMESTAMP_FORMAT)
         profiles = await self._profiles(job)
-        observation = Observation(job, pods, pools, self.progress, now, profiles)
+        report = self.report
+        progress, resumption = (report.progress, report.resumption) if report is not None else (None, None)
+        observation = Observation(job, pods, pools, progress, now, profiles, resumption)
         settings = self.runtime.settings
         # Planning is CPU work (milliseconds to tens of them): off the event loop, so watches and probes stay live.
         decision = await asyncio.to_thread(reconcile, observation, settings.trainer_image, settings.trainer_options())
-        self.progress = None
+        self.report = None
         await self._apply(body, job["status"] or {}, decision)
 
     async def _profiles(self, job: dict[str, Any]) -> list[dict[str, Any]]:
@@ -217,7 +220,7 @@ class JobFollower:
         address = rank0_address(attempt_pods, (job.get("metadata") or {}).get("uid"))
         if address is not None:
             port, world = settings.trainer_metrics_port, status.plan.strategy.gpus
-            self.progress = await fetch_progress(runtime.http, address, port, world)
+            self.report = await fetch_progress(runtime.http, address, port, world)
 
     async def _apply(self, body: kopf.Body, before: dict[str, Any], decision: Decision) -> None:
         cluster, metrics = self.runtime.cluster, self.runtime.metrics

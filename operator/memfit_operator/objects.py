@@ -209,14 +209,17 @@ def pod_name(job: FineTuneJob, attempt: int, node_rank: int) -> str:
     return _derived(job.metadata.name, f"-a{attempt}-n{node_rank}", DNS_SUBDOMAIN_MAX, DNS1123_SUBDOMAIN)
 
 
-def hostname(job: FineTuneJob, node_rank: int) -> str:
-    """A pod's hostname: a DNS-1123 label."""
-    return _derived(job.metadata.name, f"-n{node_rank}", DNS_LABEL_MAX, DNS1123_LABEL)
+def hostname(job: FineTuneJob, attempt: int, node_rank: int) -> str:
+    """A pod's hostname: a DNS-1123 label, one per attempt. The Service publishes pods that are not ready, and
+    a pod of the previous attempt still terminating (its torchrun agent waiting at its exit barrier, its
+    rendezvous store still listening) would otherwise answer to the new rank 0's name too: a restarted gang
+    could join the old store and wait forever."""
+    return _derived(job.metadata.name, f"-a{attempt}-n{node_rank}", DNS_LABEL_MAX, DNS1123_LABEL)
 
 
-def master_address(job: FineTuneJob) -> str:
-    """Rank 0's stable DNS name through the headless Service."""
-    return f"{hostname(job, 0)}.{service_name(job)}.{job.metadata.namespace}.svc"
+def master_address(job: FineTuneJob, attempt: int) -> str:
+    """The attempt's rank 0, by its DNS name through the headless Service."""
+    return f"{hostname(job, attempt, 0)}.{service_name(job)}.{job.metadata.namespace}.svc"
 
 
 def pod_trainer_config(trainer_config: TrainerConfig) -> TrainerConfig:
@@ -484,7 +487,7 @@ def trainer_pod(
         f"--nnodes={strategy.nodes}",
         f"--nproc-per-node={strategy.gpus_per_node}",
         f"--node-rank={node_rank}",
-        f"--master-addr={master_address(job)}",
+        f"--master-addr={master_address(job, attempt)}",
         f"--master-port={RENDEZVOUS_PORT}",
         "-m",
         "memfit_trainer.main",
@@ -500,7 +503,7 @@ def trainer_pod(
     return _pod(
         metadata,
         {
-            "hostname": hostname(job, node_rank),
+            "hostname": hostname(job, attempt, node_rank),
             "subdomain": service_name(job),
             "nodeSelector": {**pool.spec.node_selector, **product},
             "tolerations": [t.to_api() for t in pool.spec.tolerations],

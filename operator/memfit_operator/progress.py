@@ -6,6 +6,12 @@ current attempt's rank 0 (the names are the trainer's, memfit.contract.progress)
 trainer's progress file gives; the validation loss is already the mean over all ranks. Nothing here invents
 a number: a series the trainer has not exported yet (or a NaN validation loss) stays null.
 
+Where the process resumed from (the checkpoint step, and how many newer checkpoints it set aside as unusable)
+belongs to the attempt, not to ``status.progress``: it travels beside the progress (:class:`TrainerReport`),
+read only once rank 0 has made its first step (its resume is over by then; before, no resumed step could
+mean "not yet" as well as "from the weights") and only from a trainer that exports
+``memfit_checkpoints_set_aside`` (one without it says nothing about its resume).
+
 A pod's address is only as trustworthy as the pod: only a pod the job controls (its owner reference carries
 the job's uid; labels alone can be copied by anyone who may create pods) is scraped, the reply is bounded in
 time (``SCRAPE_TIMEOUT_SECONDS``, connection to last byte) and size (``SCRAPE_MAX_BYTES``, after
@@ -19,6 +25,7 @@ import asyncio
 import logging
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -29,6 +36,7 @@ from memfit.api.finetunejob import Progress
 from memfit.api.vocabulary import TIMESTAMP_FORMAT
 from memfit.contract import progress as metric
 from memfit_operator.objects import RANK_LABEL, owned_by
+from memfit_operator.status import Resumption, resumption
 
 SCRAPE_TIMEOUT_SECONDS = 3.0
 SCRAPE_MAX_BYTES = 1024**2
@@ -42,8 +50,17 @@ def _rfc3339(moment: datetime) -> str:
     return moment.astimezone(UTC).strftime(TIMESTAMP_FORMAT)
 
 
-def parse_trainer_metrics(text: str, world_size: int, now: datetime) -> Progress | None:
-    """Progress from rank 0's exposition text; None before its first optimizer step."""
+@dataclass(frozen=True)
+class TrainerReport:
+    """What rank 0's metrics say: the progress (``status.progress``) and where this process resumed from."""
+
+    progress: Progress
+    resumption: Resumption | None
+    """None from a trainer that does not export ``memfit_checkpoints_set_aside``."""
+
+
+def parse_trainer_metrics(text: str, world_size: int, now: datetime) -> TrainerReport | None:
+    """Progress and resumption from rank 0's exposition text; None before its first optimizer step."""
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -58,7 +75,8 @@ def parse_trainer_metrics(text: str, world_size: int, now: datetime) -> Progress
     checkpoint = values.get(metric.CHECKPOINT_STEP_METRIC)
     validation_loss = values.get(metric.VALIDATION_LOSS_METRIC)
     validation_step = values.get(metric.VALIDATION_STEP_METRIC)
-    return Progress(
+    resumed = resumption(values.get(metric.RESUMED_FROM_STEP_METRIC), values.get(metric.SET_ASIDE_METRIC))
+    progress = Progress(
         step=step,
         total_steps=total,
         percent=100 * step // total if total else 0,
@@ -69,6 +87,7 @@ def parse_trainer_metrics(text: str, world_size: int, now: datetime) -> Progress
         validation_step=int(validation_step) if validation_step is not None else None,
         updated=_rfc3339(now),
     )
+    return TrainerReport(progress, resumed)
 
 
 def rank0_address(pods: Sequence[Mapping[str, Any]], job_uid: str | None) -> str | None:
@@ -95,7 +114,7 @@ async def _read_bounded(response: aiohttp.ClientResponse, max_bytes: int) -> byt
     return bytes(body)
 
 
-def _parse(body: bytes, world_size: int) -> Progress | None:
+def _parse(body: bytes, world_size: int) -> TrainerReport | None:
     try:
         return parse_trainer_metrics(body.decode("utf-8", errors="replace"), world_size, datetime.now(UTC))
     except ValueError as error:  # not the exposition format
@@ -110,7 +129,7 @@ async def fetch_progress(
     *,
     timeout: float = SCRAPE_TIMEOUT_SECONDS,
     max_bytes: int = SCRAPE_MAX_BYTES,
-) -> Progress | None:
+) -> TrainerReport | None:
     """GET rank 0's /metrics; None when it does not answer in ``timeout`` seconds (starting up, or gone) or
     answers with something the operator does not read (over ``max_bytes``, not the exposition format)."""
     url = f"http://{address}:{port}/metrics"

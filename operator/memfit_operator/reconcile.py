@@ -56,7 +56,9 @@ from memfit_operator.objects import (
 )
 from memfit_operator.status import (
     GangState,
+    Resumption,
     final_progress,
+    final_resumption,
     gang_state,
     memory_per_gpu,
     profiling_outcome,
@@ -97,6 +99,8 @@ class Observation:
     profiles: Sequence[Mapping[str, Any]] = ()
     """Profile ConfigMaps (as the API server returns them) of the job's model: the one named
     ``profile_config_map_name(spec)`` when it exists (others are ignored)."""
+    resumption: Resumption | None = None
+    """Where the current attempt's trainer resumed from, read with ``progress`` (None when it did not say)."""
 
 
 @dataclass
@@ -189,8 +193,10 @@ def reconcile(observation: Observation, image: str, options: TrainerOptions | No
         status.plan = None  # the spec changed before the first launch (e.g. created suspended): plan it anew
     status.observed_generation = run.generation
     if observation.progress is not None:
-        _record_progress(status, observation.progress)
+        _record_progress(status, observation.progress, observation.resumption)
     current = status.attempts[-1] if status.attempts else None
+    if observation.resumption is not None and current is not None and current.finished is None:
+        _record_resumption(run, current, observation.resumption)
     if status.phase in TERMINAL:
         # Terminal stays terminal; only make sure no rank of the last attempt keeps a GPU busy.
         run.delete_pods([p for p in run.attempt_pods(current) if report_pod(p).outcome is Outcome.RUNNING])
@@ -228,16 +234,40 @@ def _remove_stale_pods(run: _Pass, current: Attempt | None) -> None:
     run.delete_pods([p for p in run.pods if attempt_of(p) != keep])
 
 
-def _record_progress(status: FineTuneJobStatus, progress: Progress) -> None:
-    """A restarted trainer reports no checkpoint or validation loss until its first: the last known stay."""
+def _record_progress(status: FineTuneJobStatus, progress: Progress, resumption: Resumption | None = None) -> None:
+    """A restarted trainer reports no checkpoint or validation loss until its first: the last known stay. One that
+    says where it resumed (``resumption``) knows better: its checkpoint is the one it resumed from until its first
+    save, and from the weights none (the previous one was set aside, or of a layout it cannot read)."""
     previous = status.progress
-    if previous is not None and progress.last_checkpoint_step is None:
-        progress = progress.model_copy(update={"last_checkpoint_step": previous.last_checkpoint_step})
+    if progress.last_checkpoint_step is None and (previous is not None or resumption is not None):
+        known = resumption.step if resumption is not None else previous.last_checkpoint_step if previous else None
+        progress = progress.model_copy(update={"last_checkpoint_step": known})
     if previous is not None and progress.validation_step is None:
         kept = {"validation_loss": previous.validation_loss, "validation_step": previous.validation_step}
         progress = progress.model_copy(update=kept)
     status.progress = progress
     status.progress_display = progress_display(progress.step, progress.total_steps)
+
+
+def _record_resumption(run: _Pass, attempt: Attempt, resumption: Resumption) -> None:
+    """The trainer's word on where ``attempt`` resumed replaces the launch's expectation. Its first report is the
+    trigger (``checkpointsSetAside`` is null until then): the Events are posted with that status change, so a
+    later pass, whatever it reads, writes and posts nothing more about it."""
+    if attempt.checkpoints_set_aside is not None:
+        return
+    expected = attempt.resumed_from_step
+    attempt.resumed_from_step, attempt.checkpoints_set_aside = resumption.step, resumption.set_aside
+    step = resumption.step
+    origin = f"resumed from checkpoint step {step}" if step is not None else "started from the model weights"
+    launched = "" if expected == step else (
+        f" (launched to resume from checkpoint step {expected})" if expected is not None
+        else " (launched to start from the model weights)")  # fmt: skip
+    if resumption.set_aside:
+        run.event("Warning", Reason.CHECKPOINT_SET_ASIDE, f"attempt {attempt.number}: {resumption.set_aside} newer "
+                  "checkpoint(s) failed verification or could not be read and were set aside (rank 0's log names "
+                  f"them); {origin}{launched}")  # fmt: skip
+    elif launched:
+        run.event("Normal", Reason.RESUMED_FROM, f"attempt {attempt.number} {origin}{launched}")
 
 
 def _accepted_job(run: _Pass) -> FineTuneJob | None:
@@ -487,7 +517,10 @@ def _follow(run: _Pass, job: FineTuneJob, plan: PlanCandidate, attempt: Attempt)
     elif gang.outcome is Outcome.SUCCEEDED:
         final = final_progress(pods)
         if final is not None:
-            _record_progress(run.status, status_progress(final))
+            resumed = final_resumption(final)  # the first word on it for a job shorter than a progress read
+            _record_progress(run.status, status_progress(final), resumed)
+            if resumed is not None:
+                _record_resumption(run, attempt, resumed)
         _succeed(run, attempt, gang.reason)
     elif gang.outcome is Outcome.RUNNING:
         if run.phase(Phase.RUNNING):
@@ -588,8 +621,9 @@ def _replan_after_oom(
     if not _end_attempt(run, attempt, pods, Outcome.OUT_OF_MEMORY, why, budget):
         return
     status.excluded_strategies.append(plan.strategy.identity())
+    checkpointed = status.progress is not None and status.progress.last_checkpoint_step is not None
     result, layout_kept = replan_after_oom(
-        job.spec, run.observation.pools, plan, status.excluded_strategies, model=run.model
+        job.spec, run.observation.pools, plan, status.excluded_strategies, model=run.model, checkpointed=checkpointed
     )
     if result.chosen is None:
         advice = "; ".join(result.advice)

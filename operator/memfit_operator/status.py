@@ -7,12 +7,13 @@ No cluster here: the handlers read pods and write status; these functions decide
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from memfit.api.base import Condition
+from memfit.api.base import MAX_COUNTER, Condition
 from memfit.api.finetunejob import Progress
 from memfit.api.plan import PlanCandidate
 from memfit.api.vocabulary import TIMESTAMP_FORMAT, ConditionType, Outcome, Reason, TerminationReason
@@ -143,6 +144,41 @@ def final_progress(pods: Iterable[Mapping[str, Any]]) -> TrainerProgress | None:
                 if progress is not None:
                     return progress
     return None
+
+
+@dataclass(frozen=True)
+class Resumption:
+    """Where the current attempt's trainer resumed, as its rank 0 reports it once its resume is over
+    (``memfit_checkpoint_resumed_from_step`` and ``memfit_checkpoints_set_aside`` beside its first step, or
+    the final progress of its termination message)."""
+
+    step: int | None
+    """The checkpoint step it resumed from; None: it started from the model weights."""
+    set_aside: int
+    """Newer checkpoints it set aside (failed verification, unreadable) before resuming."""
+
+
+def _counter(value: float) -> int | None:
+    return int(value) if math.isfinite(value) and 0 <= value <= MAX_COUNTER else None
+
+
+def resumption(step: float | None, set_aside: float | None) -> Resumption | None:
+    """A trainer's report of its resume from its two numbers (``step`` None: it started from the weights); None
+    where it reports none (no ``set_aside``: a trainer older than the report) or numbers status cannot hold
+    (a step that is no count is not "from the weights" either)."""
+    count = _counter(set_aside) if set_aside is not None else None
+    resumed = _counter(step) if step is not None else None
+    if count is None or (step is not None and resumed is None):
+        return None
+    return Resumption(resumed, count)
+
+
+def final_resumption(final: TrainerProgress) -> Resumption | None:
+    """Where rank 0 resumed from, from its final progress (:func:`final_progress`); None from a trainer whose
+    document predates the resume keys (it does not carry them: read as null and 0, they would be a guess)."""
+    if "checkpoints_set_aside" not in final.model_fields_set:
+        return None
+    return resumption(final.resumed_from_step, final.checkpoints_set_aside)
 
 
 def status_progress(final: TrainerProgress) -> Progress:

@@ -23,12 +23,20 @@ from kopf.testing import KopfRunner
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 from kubernetes.config import kube_config
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from memfit.api.finetunejob import FineTuneJob
 from memfit.api.loading import load_documents
 from memfit.api.vocabulary import MANAGED_BY, MANAGED_BY_LABEL
 from memfit.contract.engines import DeepSpeedEngineSection
+from memfit.contract.progress import (
+    CHECKPOINT_STEP_METRIC,
+    RESUMED_FROM_STEP_METRIC,
+    SET_ASIDE_METRIC,
+    STEP_METRIC,
+    TOTAL_STEPS_METRIC,
+)
 from memfit.planner.search import plan_job
 from memfit.profile import ModelProfile
 from memfit.profiled_model import ProfiledModel
@@ -201,13 +209,13 @@ def test_a_new_job_is_planned_and_launched(api: client.ApiClient, operator: Oper
     assert container.image == "registry.example/memfit-trainer:test"
     assert container.resources.limits["nvidia.com/gpu"] == str(plan.strategy.gpus_per_node)
     assert spec.node_selector["nvidia.com/gpu.product"] == "NVIDIA-A100-SXM4-80GB"
-    assert spec.hostname == "launch-n0" and spec.subdomain == "launch"
+    assert spec.hostname == "launch-a1-n0" and spec.subdomain == "launch"
     assert spec.automount_service_account_token is False
     security = container.security_context
     assert security.run_as_non_root and security.allow_privilege_escalation is False
     assert security.capabilities.drop == RESTRICTED_SECURITY_CONTEXT["capabilities"]["drop"]
     assert security.seccomp_profile.type == "RuntimeDefault"
-    assert "--master-addr=launch-n0.launch.research.svc" in container.command
+    assert "--master-addr=launch-a1-n0.launch.research.svc" in container.command
     token = next(e for e in container.env if e.name == "HF_TOKEN")
     assert token.value is None and token.value_from.secret_key_ref.name == "hf-token"
     # Resources, a read-only root and bounded scratch volumes, as the API server stored them.
@@ -560,7 +568,7 @@ def test_any_valid_job_name_launches_and_runs(
     job = FineTuneJob.model_validate(created)
     [pod] = launched(api, name, 1, 1)
     assert pod.spec.hostname == operator_objects.hostname(
-        job, 0
+        job, 1, 0
     ) and pod.spec.subdomain == operator_objects.service_name(job)
     core = client.CoreV1Api(api)
     service = core.read_namespaced_service(operator_objects.service_name(job), NAMESPACE)
@@ -625,6 +633,53 @@ def test_a_child_the_api_server_refuses_is_reported_on_the_job(
         assert "Traceback" not in process.log.read_text()  # said once, as a warning, not as a crash
     finally:
         process.stop()
+
+
+def test_where_the_trainer_resumed_lands_on_the_attempt_with_one_warning(
+    server: ApiServer, api: client.ApiClient, kubelet: Kubelet, tmp_path: Path
+) -> None:
+    """Rank 0 (a stand-in exporter with the trainer's series) set a checkpoint aside and resumed from step 100:
+    the attempt holds the trainer's word, and one Warning Event says it however many passes follow."""
+    namespace, name = "resumes", "resumed"
+    create_namespace(api, namespace)
+    grant_namespace_role(api, namespace)
+    registry = CollectorRegistry()
+    series = {STEP_METRIC: 101, TOTAL_STEPS_METRIC: 120, CHECKPOINT_STEP_METRIC: 100, RESUMED_FROM_STEP_METRIC: 100,
+              SET_ASIDE_METRIC: 1}  # fmt: skip
+    for metric, value in series.items():
+        gauge = Gauge(metric, metric, ["finetunejob", "rank"], registry=registry)
+        gauge.labels(f"{namespace}/{name}", "0").set(value)
+    exporter, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    process = OperatorProcess(server.operator_kubeconfig, tmp_path / "operator.log", namespace, exporter.server_port,
+                              "--standalone")  # fmt: skip
+    core, objects = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    try:
+        manifest = job_manifest(name)
+        manifest["metadata"]["namespace"] = namespace
+        objects.create_namespaced_custom_object(GROUP, VERSION, namespace, JOBS, manifest)
+        [pod] = wait_for("the pod", lambda: core.list_namespaced_pod(namespace).items)
+        kubelet.run(namespace, pod.metadata.name)
+
+        def attempt() -> dict[str, Any] | None:
+            job = objects.get_namespaced_custom_object(GROUP, VERSION, namespace, JOBS, name)
+            first = (job.get("status", {}).get("attempts") or [{}])[0]
+            return first if "checkpointsSetAside" in first else None
+
+        first = wait_for("the trainer's word on the attempt", attempt)
+        assert (first["resumedFromStep"], first["checkpointsSetAside"]) == (100, 1)
+
+        def warnings() -> list[str]:
+            items = core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
+            return [e.message for e in items if e.type == "Warning" and e.reason == "CheckpointSetAside"]
+
+        [message] = wait_for("a CheckpointSetAside Warning", warnings)
+        assert message.startswith("attempt 1: 1 newer checkpoint(s) failed verification") and "step 100" in message
+        time.sleep(3)  # passes reading the same metrics every second: no second Event
+        assert len(warnings()) == 1
+    finally:
+        process.stop()
+        exporter.shutdown()
+        thread.join(timeout=5)
 
 
 # ================================================================================================

@@ -277,15 +277,20 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Promethe
     rank0, rank1, gpu_port = free_ports(3)
     config_path = tiny_run_config(tmp_path, rank0)
     config = TrainerConfig.model_validate_json(config_path.read_text())
-    gpu = GPURank(config, gpu_port, monkeypatch)
     stack = ExitStack()
-    operator = operator_fleet(stack, tmp_path, rank0)
-    prometheus = Prometheus(tmp_path, [f"127.0.0.1:{p}" for p in (rank0, rank1, gpu_port)],
-                            f"127.0.0.1:{operator.metrics_port}")  # fmt: skip
     log = stack.enter_context((tmp_path / "run.log").open("w"))  # a file: an endless run never fills a pipe
+    # Started first: its imports and first steps overlap the start of the API server, the operator and Prometheus
+    # (nothing waits on the order: the run lasts until stopped, and the loop below waits for what it needs).
     run = subprocess.Popen(torchrun_command(config_path), env=trainer_env(), stdout=log, stderr=subprocess.STDOUT,
                            text=True)  # fmt: skip
     try:
+        operator = operator_fleet(stack, tmp_path, rank0)
+        prometheus = Prometheus(tmp_path, [f"127.0.0.1:{p}" for p in (rank0, rank1, gpu_port)],
+                                f"127.0.0.1:{operator.metrics_port}")  # fmt: skip
+        stack.callback(prometheus.stop)
+        stack.callback(monkeypatch.undo)
+        gpu = GPURank(config, gpu_port, monkeypatch)
+        stack.callback(gpu.close)
         deadline = time.monotonic() + 600
         progress_file = Path(config.metrics.progress_file or "")
         while True:
@@ -304,10 +309,7 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Promethe
         yield prometheus, at
     finally:
         stop_run(run)  # the tests are done with it; tests/trainer checks that runs finish
-        gpu.close()
-        monkeypatch.undo()
-        prometheus.stop()
-        stack.close()
+        stack.close()  # the GPU rank, the stubs, Prometheus, the operator and the API server, in that order
 
 
 def test_every_dashboard_query_returns_data(scraped: tuple[Prometheus, float]) -> None:

@@ -93,10 +93,10 @@ def test_pod_runs_torchrun_for_its_node_rank(job, planned) -> None:  # type: ign
     spec, container = pod["spec"], pod["spec"]["containers"][0]
     assert container["command"][:6] == [
         "torchrun", f"--nnodes={plan.strategy.nodes}", f"--nproc-per-node={plan.strategy.gpus_per_node}",
-        "--node-rank=1", "--master-addr=llama-chat-n0.llama-chat.research.svc", "--master-port=29500",
+        "--node-rank=1", "--master-addr=llama-chat-a1-n0.llama-chat.research.svc", "--master-port=29500",
     ]  # fmt: skip
     assert container["command"][-2:] == ["--config", "/etc/memfit/trainer-config.json"]
-    assert (spec["hostname"], spec["subdomain"]) == ("llama-chat-n1", "llama-chat")
+    assert (spec["hostname"], spec["subdomain"]) == ("llama-chat-a1-n1", "llama-chat")
     gpus = str(plan.strategy.gpus_per_node)
     assert container["resources"]["limits"]["nvidia.com/gpu"] == container["resources"]["requests"]["nvidia.com/gpu"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == gpus
@@ -199,21 +199,24 @@ def test_every_child_name_is_valid_for_the_api_server(job, planned, name: str) -
             assert spec["subdomain"] == service
             assert DNS1123_LABEL.match(spec["hostname"]) and len(spec["hostname"]) <= 63, spec["hostname"]
             master = next(a for a in spec["containers"][0]["command"] if a.startswith("--master-addr="))
-            assert master == f"--master-addr={objects.hostname(job, 0)}.{service}.research.svc"
+            assert master == f"--master-addr={objects.hostname(job, 12, 0)}.{service}.research.svc"
         if manifest["kind"] == "NetworkPolicy":
             assert manifest["spec"]["podSelector"]["matchLabels"][objects.JOB_LABEL] == objects.job_label(name)
 
 
 def test_valid_names_are_kept_and_derived_ones_are_stable_and_distinct(job) -> None:  # type: ignore[no-untyped-def]
     plain = named(job, "llama-chat")
-    assert (objects.service_name(plain), objects.hostname(plain, 0), objects.job_label_value(plain)) == (
-        "llama-chat", "llama-chat-n0", "llama-chat")  # fmt: skip
+    assert (objects.service_name(plain), objects.hostname(plain, 1, 0), objects.job_label_value(plain)) == (
+        "llama-chat", "llama-chat-a1-n0", "llama-chat")  # fmt: skip
     dotted, dashed = named(job, "llama.chat"), named(job, "llama-chat")
     assert objects.service_name(dotted).startswith("llama-chat-") and objects.service_name(dotted) != "llama-chat"
     assert objects.service_name(dotted) == objects.service_name(named(job, "llama.chat"))  # deterministic
-    assert objects.hostname(dotted, 1) != objects.hostname(dashed, 1)
+    assert objects.hostname(dotted, 1, 1) != objects.hostname(dashed, 1, 1)
+    # A restarted gang's rank 0 has a name of its own: the previous attempt's pod, still terminating and
+    # published by the Service, never answers for it.
+    assert objects.master_address(plain, 2) != objects.master_address(plain, 1)
     assert objects.service_name(named(job, "8b-chat")).startswith("ftj-8b-chat-")
-    assert objects.hostname(named(job, "8b-chat"), 0) == "8b-chat-n0"  # a DNS-1123 label may start with a digit
+    assert objects.hostname(named(job, "8b-chat"), 1, 0) == "8b-chat-a1-n0"  # a DNS-1123 label may start with a digit
     # Two long names that share their first 63 characters still get different children.
     first, second = named(job, LONG), named(job, LONG[:-1] + "3")
     assert objects.service_name(first) != objects.service_name(second)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -23,6 +24,8 @@ from memfit.api.vocabulary import Method, Phase
 from memfit.contract.progress import (
     CHECKPOINT_STEP_METRIC,
     ETA_METRIC,
+    RESUMED_FROM_STEP_METRIC,
+    SET_ASIDE_METRIC,
     STEP_METRIC,
     TOKENS_PER_SECOND_METRIC,
     TOTAL_STEPS_METRIC,
@@ -31,7 +34,8 @@ from memfit.planner.search import plan_job
 from memfit_operator import progress as progress_module
 from memfit_operator.metrics import OperatorMetrics
 from memfit_operator.objects import RANK_LABEL
-from memfit_operator.progress import fetch_progress, parse_trainer_metrics, rank0_address
+from memfit_operator.progress import TrainerReport, fetch_progress, parse_trainer_metrics, rank0_address
+from memfit_operator.status import Resumption
 
 ROOT = Path(__file__).parent.parent.parent
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
@@ -68,8 +72,14 @@ FULL = {
 # ------------------------------------------------------------------------------------------------
 
 
+def parsed(text: str, world_size: int, now: datetime) -> Progress | None:
+    """The progress of rank 0's exposition (what lands in status.progress)."""
+    report = parse_trainer_metrics(text, world_size, now)
+    return report.progress if report is not None else None
+
+
 def test_every_progress_series_of_rank_0() -> None:
-    progress = parse_trainer_metrics(exposition({"0": FULL}), world_size=8, now=NOW)
+    progress = parsed(exposition({"0": FULL}), world_size=8, now=NOW)
     assert progress is not None
     assert progress.step == 120 and progress.total_steps == 1000 and progress.percent == 12
     assert progress.tokens_per_second == pytest.approx(665.2 * 8)
@@ -80,12 +90,12 @@ def test_every_progress_series_of_rank_0() -> None:
 
 
 def test_before_the_first_step_there_is_no_progress() -> None:
-    assert parse_trainer_metrics("", world_size=8, now=NOW) is None
-    assert parse_trainer_metrics(exposition({"0": {TOTAL_STEPS_METRIC: 1000}}), world_size=8, now=NOW) is None
+    assert parsed("", world_size=8, now=NOW) is None
+    assert parsed(exposition({"0": {TOTAL_STEPS_METRIC: 1000}}), world_size=8, now=NOW) is None
 
 
 def test_series_not_exported_yet_stay_null_never_invented() -> None:
-    progress = parse_trainer_metrics(exposition({"0": {STEP_METRIC: 3}}, extra_labels=False), 4, NOW)
+    progress = parsed(exposition({"0": {STEP_METRIC: 3}}, extra_labels=False), 4, NOW)
     assert progress is not None
     assert progress.step == 3 and progress.total_steps is None and progress.percent == 0
     assert progress.tokens_per_second is None and progress.eta is None and progress.last_checkpoint_step is None
@@ -95,40 +105,74 @@ def test_series_not_exported_yet_stay_null_never_invented() -> None:
 def test_only_rank_0_counts() -> None:
     other = {STEP_METRIC: 999, TOTAL_STEPS_METRIC: 5, TOKENS_PER_SECOND_METRIC: 1.0, CHECKPOINT_STEP_METRIC: 998}
     text = exposition({"1": other, "0": FULL, "7": other})
-    progress = parse_trainer_metrics(text, world_size=8, now=NOW)
+    progress = parsed(text, world_size=8, now=NOW)
     assert progress is not None and (progress.step, progress.total_steps, progress.last_checkpoint_step) == (
         120, 1000, 100)  # fmt: skip
-    assert parse_trainer_metrics(exposition({"1": other}), world_size=8, now=NOW) is None
+    assert parsed(exposition({"1": other}), world_size=8, now=NOW) is None
 
 
 def test_unlabelled_series_count_as_rank_0() -> None:
     text = f"# TYPE {STEP_METRIC} gauge\n{STEP_METRIC} 7\n# TYPE {TOTAL_STEPS_METRIC} gauge\n{TOTAL_STEPS_METRIC} 70\n"
-    progress = parse_trainer_metrics(text, world_size=1, now=NOW)
+    progress = parsed(text, world_size=1, now=NOW)
     assert progress is not None and (progress.step, progress.percent) == (7, 10)
 
 
 @pytest.mark.parametrize(("step", "total", "percent"), [(0, 1000, 0), (999, 1000, 99), (1000, 1000, 100), (1, 3, 33)])
 def test_percent_rounds_down(step: int, total: int, percent: int) -> None:
-    progress = parse_trainer_metrics(exposition({"0": {STEP_METRIC: step, TOTAL_STEPS_METRIC: total}}), 1, NOW)
+    progress = parsed(exposition({"0": {STEP_METRIC: step, TOTAL_STEPS_METRIC: total}}), 1, NOW)
     assert progress is not None and progress.percent == percent
 
 
 def test_a_zero_total_gives_zero_percent_not_a_division_error() -> None:
-    progress = parse_trainer_metrics(exposition({"0": {STEP_METRIC: 0, TOTAL_STEPS_METRIC: 0}}), 1, NOW)
+    progress = parsed(exposition({"0": {STEP_METRIC: 0, TOTAL_STEPS_METRIC: 0}}), 1, NOW)
     assert progress is not None and progress.percent == 0
 
 
 def test_eta_and_updated_are_utc_whatever_the_clock_zone() -> None:
     local = NOW.astimezone(timezone(timedelta(hours=5, minutes=30)))
-    progress = parse_trainer_metrics(exposition({"0": {STEP_METRIC: 1, ETA_METRIC: 60}}), 1, local)
+    progress = parsed(exposition({"0": {STEP_METRIC: 1, ETA_METRIC: 60}}), 1, local)
     assert progress is not None
     assert progress.updated == "2026-01-01T12:00:00Z" and progress.eta == "2026-01-01T12:01:00Z"
 
 
 def test_tokens_per_second_scales_with_the_world_size() -> None:
     text = exposition({"0": {STEP_METRIC: 1, TOKENS_PER_SECOND_METRIC: 100.04}})
-    assert parse_trainer_metrics(text, 1, NOW).tokens_per_second == 100.0  # type: ignore[union-attr]
-    assert parse_trainer_metrics(text, 32, NOW).tokens_per_second == 3201.3  # type: ignore[union-attr]
+    assert parsed(text, 1, NOW).tokens_per_second == 100.0  # type: ignore[union-attr]
+    assert parsed(text, 32, NOW).tokens_per_second == 3201.3  # type: ignore[union-attr]
+
+
+def test_where_rank_0_resumed_from_and_what_it_set_aside_travel_beside_the_progress() -> None:
+    resumed = {RESUMED_FROM_STEP_METRIC: 100, SET_ASIDE_METRIC: 2}
+    text = exposition({"0": FULL | resumed, "1": FULL | {RESUMED_FROM_STEP_METRIC: 7, SET_ASIDE_METRIC: 9}})
+    report = parse_trainer_metrics(text, world_size=8, now=NOW)
+    assert report is not None and report.resumption == Resumption(step=100, set_aside=2)
+    # The attempt's business, not status.progress's: the progress is what it was without the two series.
+    assert report.progress == parsed(exposition({"0": FULL}), world_size=8, now=NOW)
+    assert not {"resumedFromStep", "checkpointsSetAside"} & set(report.progress.to_api())
+
+
+def test_a_trainer_that_set_nothing_aside_and_exports_no_resumed_step_started_from_the_weights() -> None:
+    report = parse_trainer_metrics(exposition({"0": FULL | {SET_ASIDE_METRIC: 0}}), world_size=8, now=NOW)
+    assert report is not None and report.resumption == Resumption(step=None, set_aside=0)
+    everything_set_aside = exposition({"0": FULL | {SET_ASIDE_METRIC: 3}})
+    assert parse_trainer_metrics(everything_set_aside, 8, NOW).resumption == Resumption(None, 3)  # type: ignore[union-attr]
+
+
+def test_no_resumption_from_a_trainer_without_the_set_aside_series_or_before_its_first_step() -> None:
+    older = parse_trainer_metrics(exposition({"0": FULL}), world_size=8, now=NOW)  # a trainer older than the series
+    assert older is not None and older.resumption is None
+    # Before the first step the resume may still be under way: no resumed step yet is not "from the weights".
+    assert parse_trainer_metrics(exposition({"0": {SET_ASIDE_METRIC: 0, TOTAL_STEPS_METRIC: 1000}}), 8, NOW) is None
+
+
+@pytest.mark.parametrize(
+    "series",
+    [{SET_ASIDE_METRIC: -1}, {SET_ASIDE_METRIC: math.nan}, {SET_ASIDE_METRIC: 2.0**60},
+     {SET_ASIDE_METRIC: 0, RESUMED_FROM_STEP_METRIC: math.nan}, {SET_ASIDE_METRIC: 1, RESUMED_FROM_STEP_METRIC: -5}],
+)  # fmt: skip
+def test_numbers_status_cannot_hold_are_no_resumption(series: dict[str, float]) -> None:
+    report = parse_trainer_metrics(exposition({"0": FULL | series}), world_size=8, now=NOW)
+    assert report is not None and report.resumption is None and report.progress.step == 120
 
 
 # ------------------------------------------------------------------------------------------------
@@ -219,8 +263,8 @@ def test_fetch_progress_reads_rank_0() -> None:
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(text=exposition({"0": FULL}))
 
-    progress, _ = fetch(metrics)
-    assert isinstance(progress, Progress) and progress.step == 120
+    report, _ = fetch(metrics)
+    assert isinstance(report, TrainerReport) and report.progress.step == 120
 
 
 def test_a_reply_over_the_size_limit_is_refused_not_read() -> None:
@@ -296,7 +340,7 @@ def test_parsing_runs_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> Non
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(text=exposition({"0": FULL}))
 
-    assert isinstance(fetch(metrics)[0], Progress)
+    assert isinstance(fetch(metrics)[0], TrainerReport)
     assert parsed_in and loop_thread not in parsed_in
 
 

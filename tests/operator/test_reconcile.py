@@ -26,6 +26,7 @@ from memfit.contract.termination import completed_message
 from memfit.units import GIB
 from memfit_operator.objects import ATTEMPT_LABEL, CONFIG_FILE, PROFILE_LABEL, RANK_LABEL, TrainerOptions
 from memfit_operator.reconcile import Decision, Event, Observation, reconcile
+from memfit_operator.status import Resumption
 
 ROOT = Path(__file__).parent.parent.parent
 IMAGE = "registry.example/memfit-trainer:0.1.0"
@@ -61,7 +62,7 @@ class FakeCluster:
         self.clock = 0
 
     # --- the operator's side -------------------------------------------------------------------
-    def observe(self, progress: Progress | None = None) -> Observation:
+    def observe(self, progress: Progress | None = None, resumption: Resumption | None = None) -> Observation:
         self.clock += 1
         now = f"2026-01-01T00:{self.clock // 60:02d}:{self.clock % 60:02d}Z"
         # Round-trip through JSON: reconcile sees plain data, as the API server returns it.
@@ -69,10 +70,12 @@ class FakeCluster:
         pods = [json.loads(json.dumps(p)) for p in self.pods.values()]
         profiles = [json.loads(json.dumps(o)) for (kind, _), o in self.others.items()
                     if kind == "ConfigMap" and PROFILE_LABEL in o["metadata"].get("labels", {})]  # fmt: skip
-        return Observation(job=job, pods=pods, pools=list(self.pools), progress=progress, now=now, profiles=profiles)
+        return Observation(job=job, pods=pods, pools=list(self.pools), progress=progress, now=now, profiles=profiles,
+                           resumption=resumption)  # fmt: skip
 
-    def step(self, progress: Progress | None = None) -> Decision:
-        observation = self.observe(progress)
+    def step(self, progress: Progress | None = None, resumption: Resumption | None = None) -> Decision:
+        """One pass; ``progress`` and ``resumption``: what rank 0's metrics said (read in this pass)."""
+        observation = self.observe(progress, resumption)
         frozen = copy.deepcopy((observation.job, list(observation.pods)))
         decision = reconcile(observation, IMAGE)
         assert (observation.job, list(observation.pods)) == frozen, "reconcile must not change its input"

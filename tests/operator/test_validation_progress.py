@@ -7,8 +7,7 @@ import math
 
 from memfit.api.finetunejob import Progress
 from memfit.contract.progress import STEP_METRIC, VALIDATION_LOSS_METRIC, VALIDATION_STEP_METRIC
-from memfit_operator.progress import parse_trainer_metrics
-from tests.operator.test_progress_and_metrics import FULL, NOW, exposition
+from tests.operator.test_progress_and_metrics import FULL, NOW, exposition, parsed
 from tests.operator.test_reconcile import FakeCluster, cluster
 
 __all__ = ["cluster"]  # the fixture, used by name
@@ -17,18 +16,18 @@ __all__ = ["cluster"]  # the fixture, used by name
 def test_rank_0s_validation_loss_and_step() -> None:
     text = exposition({"0": FULL | {VALIDATION_LOSS_METRIC: 1.875, VALIDATION_STEP_METRIC: 100},
                        "1": {STEP_METRIC: 120, VALIDATION_LOSS_METRIC: 9.0, VALIDATION_STEP_METRIC: 50}})  # fmt: skip
-    progress = parse_trainer_metrics(text, world_size=2, now=NOW)
+    progress = parsed(text, world_size=2, now=NOW)
     assert progress is not None and (progress.validation_loss, progress.validation_step) == (1.875, 100)
 
 
 def test_no_validation_yet_is_null() -> None:
-    progress = parse_trainer_metrics(exposition({"0": FULL}), world_size=2, now=NOW)
+    progress = parsed(exposition({"0": FULL}), world_size=2, now=NOW)
     assert progress is not None and (progress.validation_loss, progress.validation_step) == (None, None)
 
 
 def test_a_nan_validation_loss_is_null_with_its_step() -> None:
     text = exposition({"0": FULL | {VALIDATION_LOSS_METRIC: math.nan, VALIDATION_STEP_METRIC: 100}})
-    progress = parse_trainer_metrics(text, world_size=2, now=NOW)
+    progress = parsed(text, world_size=2, now=NOW)
     assert progress is not None and (progress.validation_loss, progress.validation_step) == (None, 100)
 
 

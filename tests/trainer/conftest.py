@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from tests.trainer.runs import KilledRuns
+
 
 @pytest.fixture
 def world_of_one(tmp_path: Path) -> Iterator[None]:
@@ -18,3 +20,9 @@ def world_of_one(tmp_path: Path) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def killed_runs(tmp_path_factory: pytest.TempPathFactory) -> KilledRuns:
+    """Held-and-killed runs shared by the resumes of every test (one kill of each config and step)."""
+    return KilledRuns(tmp_path_factory)

@@ -10,16 +10,24 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
+
+import psutil
+import pytest
 
 from memfit.api.vocabulary import MasterWeights, Precision
 from memfit.contract.engines import DeepSpeedEngineSection, Fsdp2EngineSection, precision_section
+from memfit.contract.progress import read_progress
 from memfit.contract.sections import DataConfig, LoraConfig, MetricsConfig, ModelConfig, TrainingConfig
 from memfit.contract.trainer_config import TrainerConfig
 from memfit.model_shape import ModelFamily, ModelShape
+from memfit_trainer.protocol_hold import HOLD_AT_ENV
 
 WORLD_SIZE = 2
 MICRO_BATCH = 2
@@ -209,3 +217,172 @@ def run_single_process(config_path: Path, timeout: float = 300, **env: str):
         text=True,
         timeout=timeout,
     )
+
+
+HOLD_ENV = "MEMFIT_TEST_HOLD_AFTER_STEP"
+"""memfit_trainer.loop's test hook (``STEP:FILE``): after ``STEP`` (and its checkpoint) the run waits for FILE."""
+HELD_DEADLINE_SECONDS = 600
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL the launcher and its workers at once, as a pod kill does (torchrun puts each worker in its own
+    session, so killing the launcher's process group would orphan them)."""
+    launcher = psutil.Process(pid)
+    for process in [*launcher.children(recursive=True), launcher]:
+        process.send_signal(signal.SIGKILL)
+
+
+def held_after(config: TrainerConfig, step: int) -> bool:
+    """Rank 0 reported ``step`` (and, at a checkpoint step, its checkpoint is complete): the run holds there."""
+    assert config.metrics.progress_file is not None, "make_config names a progress file"
+    progress = read_progress(config.metrics.progress_file)
+    every = config.training.checkpoint_every_steps
+    checkpointed = step % every != 0 or (config.checkpoint_dir / f"step-{step:06d}").is_dir()
+    return progress is not None and progress.step == step and checkpointed
+
+
+def run_held_and_killed(
+    config: TrainerConfig, config_path: Path, step: int, nproc: int = WORLD_SIZE, point: str | None = None
+) -> str:
+    """Run the config on ``nproc`` ranks until it holds after ``step`` (the test hook: killed there however fast
+    the machine trains), or at the checkpoint protocol's ``point`` for ``step``
+    (:mod:`memfit_trainer.protocol_hold`), SIGKILL it as a pod kill does; its output."""
+    log = config_path.parent / f"held-{point or 'after'}-{step}.log"
+    release = config_path.parent / "never-released"
+    if point is None:
+        hold, held = {HOLD_ENV: f"{step}:{release}"}, lambda: held_after(config, step)
+    else:
+        hold, held = {HOLD_AT_ENV: f"{point}:{step}:{release}"}, Path(f"{release}.held").exists
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            torchrun_command(config_path, nproc), env=trainer_env(**hold), start_new_session=True, stdout=out,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + HELD_DEADLINE_SECONDS
+            while not held():
+                assert process.poll() is None, log.read_text()[-4000:]
+                assert time.monotonic() < deadline, f"not held at {point or 'after'} {step} in time"
+                time.sleep(0.1)
+        finally:
+            if process.poll() is None:
+                kill_tree(process.pid)
+            process.wait()
+            Path(f"{release}.held").unlink(missing_ok=True)
+    assert not Path(config.final_dir).exists(), "the run finished before it could be killed"
+    return log.read_text()
+
+
+def run_with_a_copy_held_after(
+    config: TrainerConfig, config_path: Path, step: int, copy_to: Path
+) -> subprocess.CompletedProcess[str]:
+    """Run the config to the end, holding it after ``step`` (the test hook) while its directory (``make_config``'s
+    ``tmp_path / name``) is copied to ``copy_to / name``: on disk, what a SIGKILL there leaves (the ranks idle in
+    the hook, nothing in flight). One start serves as the uninterrupted run and as the killed one a resume of
+    the copy continues; the completed run (stdout and stderr as text)."""
+    directory = Path(config.output_dir).parent
+    release = config_path.parent / f"release-{step}"
+    with (
+        (config_path.parent / f"run-{step}.out").open("w+") as out,
+        (config_path.parent / f"run-{step}.err").open("w+") as err,
+    ):
+        process = subprocess.Popen(
+            torchrun_command(config_path), env=trainer_env(**{HOLD_ENV: f"{step}:{release}"}), stdout=out, stderr=err
+        )
+        try:
+            deadline = time.monotonic() + HELD_DEADLINE_SECONDS
+            while not held_after(config, step):
+                assert process.poll() is None, Path(err.name).read_text()[-4000:]
+                assert time.monotonic() < deadline, f"not held after step {step} within {HELD_DEADLINE_SECONDS} s"
+                time.sleep(0.1)
+            shutil.copytree(directory, copy_to / directory.name)
+            release.touch()
+            process.wait(timeout=HELD_DEADLINE_SECONDS)
+        finally:
+            if process.poll() is None:
+                kill_tree(process.pid)
+                process.wait()
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(process.args, process.returncode, out.read(), err.read())
+
+
+def uninterrupted_and_resumed(
+    reference: TrainerConfig, killed: TrainerConfig, step: int
+) -> tuple[subprocess.CompletedProcess[str], subprocess.CompletedProcess[str]]:
+    """``reference`` run to the end, and ``killed`` (its config in another ``make_config`` directory, under the same
+    name) resumed from the copy of the reference's directory taken while it held after ``step``, which is what a
+    run killed there leaves: the uninterrupted run and the resumed one, both completed, from two starts."""
+    reference_dir, killed_dir = (Path(config.output_dir).parent for config in (reference, killed))
+    assert reference_dir.name == killed_dir.name != "", "the same name in two directories"
+    done = run_with_a_copy_held_after(
+        reference, write_config(reference, reference_dir.parent / "config.json"), step, killed_dir.parent
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done, resume(write_config(killed, killed_dir.parent / "config.json"), step)
+
+
+def resumed_from(log: str) -> int | None:
+    """The step the run's output says it resumed from."""
+    found = re.search(r"resumed from checkpoint step (\d+)", log)
+    return None if found is None else int(found.group(1))
+
+
+def resume(config_path: Path, step: int, nproc: int = WORLD_SIZE) -> subprocess.CompletedProcess[str]:
+    """Run the config to the end, which must resume from the checkpoint of ``step``."""
+    resumed = run_trainer(config_path, nproc=nproc)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert resumed_from(resumed.stdout) == step, resumed.stdout
+    return resumed
+
+
+def config_over_a_copy(directory: Path, tmp_path: Path, **options: Any) -> TrainerConfig:
+    """``make_config(tmp_path, **options)`` over a copy of ``directory``, where a run of those options ran
+    (``make_config(directory, **options)``): its outputs, checkpoints and corpus, for a test to go on from
+    without changing the original (the data's fingerprint holds no path)."""
+    shutil.copytree(directory, tmp_path, dirs_exist_ok=True)
+    return make_config(tmp_path, **options)
+
+
+class Reference(NamedTuple):
+    """An uninterrupted run, and the copy of its directory taken while it held after a checkpoint step."""
+
+    output: Path
+    losses: dict[int, float]
+    stdout: str
+    killed: Path
+    """What a run killed after that step leaves: :meth:`killed_copy` gives each test its own copy to resume."""
+
+    def killed_copy(self, tmp_path: Path, **options: Any) -> TrainerConfig:
+        """``make_config(tmp_path, **options)``, its directory a copy of what the killed run left."""
+        return config_over_a_copy(self.killed, tmp_path, **options)
+
+
+def reference_run(factory: pytest.TempPathFactory, step: int, **options: Any) -> Reference:
+    """``make_config``'s run of ``options`` to the end in a directory of its own, copied while it held after
+    ``step`` (:func:`run_with_a_copy_held_after`): one start for the reference and for the killed runs."""
+    tmp, killed = factory.mktemp("reference"), factory.mktemp("killed")
+    config = make_config(tmp, **options)
+    done = run_with_a_copy_held_after(config, write_config(config, tmp / "config.json"), step, killed)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return Reference(Path(config.output_dir), logged_losses(done.stdout), done.stdout, killed)
+
+
+class KilledRuns:
+    """Runs of :func:`make_config` held after a checkpoint step and killed (SIGKILL), each started once: :meth:`copy`
+    hands a test its own copy of one to go on from. Several tests that go on from one kill share its torchrun
+    start (about 10 s of imports) and its steps."""
+
+    def __init__(self, factory: pytest.TempPathFactory) -> None:
+        self._factory = factory
+        self._runs: dict[str, Path] = {}
+
+    def copy(self, tmp_path: Path, step: int, nproc: int = WORLD_SIZE, **options: Any) -> TrainerConfig:
+        """``make_config(tmp_path, **options)``, its directory a copy of that run killed after ``step``."""
+        key = json.dumps([step, nproc, options], sort_keys=True, default=str)
+        if key not in self._runs:
+            directory = self._factory.mktemp("killed")
+            config = make_config(directory, **options)
+            run_held_and_killed(config, write_config(config, directory / "killed.json"), step, nproc)
+            self._runs[key] = directory
+        return config_over_a_copy(self._runs[key], tmp_path, **options)

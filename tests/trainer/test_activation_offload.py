@@ -17,7 +17,7 @@ from memfit.model_shape import ModelFamily, ModelShape
 from memfit_trainer.activation_offload import CHECKPOINT_FUNCTION, ActivationOffload, offload_activations
 from memfit_trainer.chunked_loss import causal_lm_loss, unwrap_causal_lm
 from memfit_trainer.hf_config import transformers_config
-from tests.trainer.runs import assert_same_final_weights, logged_losses, make_config, run_trainer, write_config
+from tests.trainer.runs import assert_same_final_weights, logged_losses, make_config, uninterrupted_and_resumed
 
 LAYERS = 4
 TINY = {
@@ -181,11 +181,7 @@ def offloading_config(tmp_path: Path, **options: Any) -> TrainerConfig:
 @pytest.mark.distributed
 @pytest.mark.parametrize("method", ["full", "lora"])
 def test_offloading_run_learns_and_resumes_from_its_checkpoint(tmp_path: Path, method: str) -> None:
-    from tests.trainer.test_training import (
-        RESUME_EVERY,
-        assert_learned,
-        kill_after_first_checkpoint_and_resume,
-    )
+    from tests.trainer.test_training import RESUME_EVERY, assert_learned
 
     steps = 16
     options: dict[str, Any] = dict(
@@ -195,9 +191,8 @@ def test_offloading_run_learns_and_resumes_from_its_checkpoint(tmp_path: Path, m
         options["learning_rate"] = 1e-2
     (tmp_path / "reference").mkdir()
     (tmp_path / "killed").mkdir()
-    reference = offloading_config(tmp_path / "reference", **options)
-    done = run_trainer(write_config(reference, tmp_path / "reference" / "config.json"))
-    assert done.returncode == 0, done.stderr[-4000:]
+    reference, config = (offloading_config(tmp_path / name, **options) for name in ("reference", "killed"))
+    done, resumed = uninterrupted_and_resumed(reference, config, RESUME_EVERY)
     assert f"activation offloading: the saved inputs of {LAYERS} checkpointed layers wait in cpu memory" in done.stdout
     offloaded = LAYERS if method == "full" else LAYERS - 1  # LoRA's first input stays (a leaf autograd keeps)
     moved, back = steps * offloaded, steps * (offloaded - 2)  # per rank; see the unit test for the prefetches
@@ -205,10 +200,6 @@ def test_offloading_run_learns_and_resumes_from_its_checkpoint(tmp_path: Path, m
     assert f"came back {moved} times ({back} prefetched)" in done.stdout
     reference_losses = logged_losses(done.stdout)
     assert_learned(reference_losses, steps, margin=1.0 if method == "full" else 0.3)
-
-    config = offloading_config(tmp_path / "killed", **options)
-    config_path = write_config(config, tmp_path / "killed" / "config.json")
-    resumed = kill_after_first_checkpoint_and_resume(config_path, config.checkpoint_dir, tmp_path)
     assert logged_losses(resumed.stdout)[steps] == reference_losses[steps]
     weights = "model.safetensors" if method == "full" else "adapter_model.safetensors"
     assert_same_final_weights(config.output_dir, reference.output_dir, weights)

@@ -14,6 +14,7 @@ import torch
 from memfit_trainer import checkpoint as ckpt
 from memfit_trainer.checkpoint import (
     COMPLETE_MARKER,
+    MANIFEST_KEY,
     CheckpointManager,
     capture_rng_state,
     load_rng_state,
@@ -127,6 +128,19 @@ def test_latest_is_numeric_and_prune_keeps_the_newest(tmp_path: Path) -> None:
     assert (tmp_path / "step-000001.tmp").exists()
     with pytest.raises(ValueError, match="at least 1"):
         manager.prune(keep=0)
+
+
+def test_prune_never_removes_the_last_sealed_checkpoint(tmp_path: Path) -> None:
+    """Newer checkpoints without a manifest (an older memfit's) cannot be verified: the newest sealed one
+    stays beyond ``keep``, and goes once a newer sealed one is kept."""
+    manager = CheckpointManager(tmp_path)
+    manager.save(10, write_weights("sealed"), {**POSITION, MANIFEST_KEY: "0" * 32})
+    for step in (20, 30):
+        manager.save(step, write_weights(str(step)), POSITION)
+    assert manager.prune(keep=1) == [tmp_path / "step-000020"]
+    assert [c.step for c in manager.complete()] == [10, 30]
+    manager.save(40, write_weights("sealed too"), {**POSITION, MANIFEST_KEY: "1" * 32})
+    assert manager.prune(keep=1) == [tmp_path / "step-000010", tmp_path / "step-000030"]
 
 
 def test_commit_needs_a_data_position_and_a_prepared_directory(tmp_path: Path) -> None:

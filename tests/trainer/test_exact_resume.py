@@ -6,16 +6,14 @@ which differs in the last bits at many steps (the bias correction of a resume fr
 64-67, 80-111 and more, for the default betas, computed in float32).
 :func:`~memfit_trainer.deepspeed_engine.replay_bias_correction` rebuilds them after a load. Here one optimizer
 resumed from a copy of another's state at such steps must step exactly as the original goes on, and a chain of
-kills of the tiny llama (held and killed at checkpoints where the products drift, and between checkpoints) must
-end with the uninterrupted run's weights and loss, on DeepSpeed (CPU Adam) and fsdp2, full and LoRA.
+kills of the tiny llama (held and killed at checkpoints where the products drift, between checkpoints, and at
+each point of the checkpoint protocol: COMPLETE written, renamed, pruning, the final export written) must end
+with the uninterrupted run's weights and loss, on DeepSpeed (CPU Adam) and fsdp2, full and LoRA.
 """
 
 from __future__ import annotations
 
 import copy
-import re
-import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,21 +21,17 @@ from typing import Any
 import pytest
 import torch
 
-from memfit.contract.progress import read_progress
-from memfit.contract.trainer_config import TrainerConfig
 from memfit_trainer.deepspeed_engine import replay_bias_correction
-from memfit_trainer.loop import HOLD_ENV
 from tests.trainer.runs import (
-    WORLD_SIZE,
     assert_same_final_weights,
     logged_losses,
     make_config,
-    run_trainer,
-    torchrun_command,
-    trainer_env,
+    resume,
+    resumed_from,
+    run_held_and_killed,
+    run_with_a_copy_held_after,
     write_config,
 )
-from tests.trainer.test_training import kill_tree, train_ok
 
 DRIFTED = (5, 15, 84)
 """Steps after which a process that recomputes beta^t with ``pow`` updates otherwise than the one that
@@ -114,9 +108,19 @@ def test_cpu_adam_resumed_at_a_drifted_step_steps_as_the_original(optimizer: str
 
 STEPS = 20
 EVERY = 5
-CHAIN = (5, 13, 15)
-"""Each run of the chain is held after this step and killed: at checkpoints where the products drifted (5 and
-15, resumed there) and between checkpoints (13: resumed from 10, the steps after it trained again)."""
+FIRST = 5
+"""The chain's first link: the uninterrupted run itself, its directory copied while it held after this step (on
+disk what a kill there leaves)."""
+CHAIN: tuple[tuple[str | None, int, int], ...] = (
+    ("marker-written", 10, 5),  # COMPLETE written, not renamed: the next run cleans it up, resumes from 5
+    (None, 13, 10),  # after step 13, between checkpoints: steps 11-13 are trained again
+    ("renamed", 15, 15),  # the directory renamed, before pruning: complete
+    ("pruning", 5, 20),  # while saving 20, checkpoint 5 half pruned (renamed to .deleting, not removed)
+    ("final-written", 20, 20),  # the final export complete under its temporary name, not swapped in
+)
+"""Each further link is killed at a point of the checkpoint protocol (:mod:`memfit_trainer.protocol_hold`) for
+a step, or after a step (``None``), and the next run must resume from the third number: the newest checkpoint
+the killed run completed. The resumes are at 5 and 15, where the products drifted, and at 10 and 20."""
 RUNS: dict[str, dict[str, Any]] = {
     "deepspeed-full": dict(method="full", stage=3, offload=True),  # CPU Adam's step per sub-group
     "fsdp2-lora": dict(engine="fsdp2", method="lora", stage=3, offload=False, learning_rate=1e-2),
@@ -127,57 +131,29 @@ bit-identical in tests/trainer/test_fsdp2.py, and DeepSpeed's LoRA step is the s
 FINAL_WEIGHTS = {"full": "model.safetensors", "lora": "adapter_model.safetensors"}
 
 
-def held_after(config: TrainerConfig, step: int) -> bool:
-    """Rank 0 reported ``step`` (and, at a checkpoint step, its checkpoint is complete): the run holds there."""
-    assert config.metrics.progress_file is not None, "make_config names a progress file"
-    progress = read_progress(config.metrics.progress_file)
-    every = config.training.checkpoint_every_steps
-    checkpointed = step % every != 0 or (config.checkpoint_dir / f"step-{step:06d}").is_dir()
-    return progress is not None and progress.step == step and checkpointed
-
-
-def resumed_from(log: str) -> int | None:
-    """The step the run's output says it resumed from."""
-    found = re.search(r"resumed from checkpoint step (\d+)", log)
-    return None if found is None else int(found.group(1))
-
-
-def run_held_and_killed(config: TrainerConfig, config_path: Path, step: int, nproc: int = WORLD_SIZE) -> str:
-    """Run the config on ``nproc`` ranks until it holds after ``step`` (the test hook), SIGKILL it as a pod kill
-    does; its output."""
-    log = config_path.parent / f"held-{step}.log"
-    release = config_path.parent / "never-released"
-    with log.open("w") as out:
-        process = subprocess.Popen(
-            torchrun_command(config_path, nproc), env=trainer_env(**{HOLD_ENV: f"{step}:{release}"}),
-            start_new_session=True, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        try:
-            while not held_after(config, step):
-                assert process.poll() is None, log.read_text()[-4000:]
-                time.sleep(0.1)
-        finally:
-            if process.poll() is None:
-                kill_tree(process.pid)
-            process.wait()
-    return log.read_text()
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("run", sorted(RUNS))
 def test_a_chain_of_kills_ends_bit_identical_to_the_uninterrupted_run(tmp_path: Path, run: str) -> None:
     options = {**RUNS[run], "max_steps": STEPS, "checkpoint_every": EVERY}
     (tmp_path / "reference").mkdir()
-    reference_output, reference_losses, _ = train_ok(tmp_path / "reference", **options)
+    (tmp_path / "killed").mkdir()
+    reference, config = (make_config(tmp_path / name, **options) for name in ("reference", "killed"))
+    # The first kill is the uninterrupted run's directory, copied while it held after FIRST: what a kill leaves.
+    done = run_with_a_copy_held_after(
+        reference, write_config(reference, tmp_path / "reference" / "config.json"), FIRST, tmp_path / "killed"
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    reference_losses = logged_losses(done.stdout)
 
-    config = make_config(tmp_path, **options, name="killed")
-    config_path = write_config(config, tmp_path / "killed.json")
-    newest = None  # the checkpoint each run must resume from: the newest the previous one completed
-    for step in CHAIN:
-        assert resumed_from(run_held_and_killed(config, config_path, step)) == newest
-        newest = step - step % EVERY
-    last = run_trainer(config_path)
-    assert last.returncode == 0, last.stderr[-4000:]
-    assert resumed_from(last.stdout) == newest
-    assert logged_losses(last.stdout)[STEPS] == reference_losses[STEPS]
-    assert_same_final_weights(config.output_dir, reference_output, FINAL_WEIGHTS[config.training.method])
+    config_path = write_config(config, tmp_path / "killed" / "config.json")
+    newest, losses = FIRST, {}  # the checkpoint each run must resume from: the newest the previous one completed
+    for point, step, completed in CHAIN:
+        log = run_held_and_killed(config, config_path, step, point=point)
+        assert resumed_from(log) == newest, log[-3000:]
+        losses.update(logged_losses(log))
+        newest = completed
+    resume(config_path, newest)
+    assert losses[STEPS] == reference_losses[STEPS]
+    # The half-pruned 5 and the sealed but unrenamed 10 cleaned up (10 saved again); nothing temporary left.
+    assert sorted(p.name for p in config.checkpoint_dir.iterdir()) == ["step-000010", "step-000015", "step-000020"]
+    assert_same_final_weights(config.output_dir, reference.output_dir, FINAL_WEIGHTS[config.training.method])

@@ -27,13 +27,16 @@ from torch.distributed.checkpoint import FileSystemReader
 from memfit.contract.termination import completed_progress
 from tests.trainer.runs import (
     TINY_LLAMA,
+    Reference,
     assert_same_final_weights,
     logged_losses,
     make_config,
+    reference_run,
+    resume,
     run_trainer,
     write_config,
 )
-from tests.trainer.test_training import RESUME_EVERY, assert_learned, kill_after_first_checkpoint_and_resume, train_ok
+from tests.trainer.test_training import RESUME_EVERY, assert_learned, train_ok
 
 pytestmark = pytest.mark.distributed
 
@@ -65,27 +68,27 @@ def marker(output: Path, layout: str, step: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, float], str]:
+def full_run(tmp_path_factory: pytest.TempPathFactory) -> Reference:
     """Full fine-tuning resharded after the forward pass: the reference of the other full runs."""
-    return train_ok(tmp_path_factory.mktemp("fsdp2-full"), **FULL)
+    return reference_run(tmp_path_factory, RESUME_EVERY, **FULL)
 
 
 @pytest.fixture(scope="module")
-def in_backward_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, float], str]:
+def in_backward_run(tmp_path_factory: pytest.TempPathFactory) -> Reference:
     """Full fine-tuning with the optimizer step in backward (no clipping, accumulation 1)."""
-    return train_ok(tmp_path_factory.mktemp("fsdp2-in-backward"), **IN_BACKWARD)
+    return reference_run(tmp_path_factory, RESUME_EVERY, **IN_BACKWARD)
 
 
 @pytest.fixture(scope="module")
-def qlora_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, float], str]:
+def qlora_run(tmp_path_factory: pytest.TempPathFactory) -> Reference:
     """QLoRA (its 4-bit base sharded in bf16 storage) resharded after the forward pass."""
-    return train_ok(tmp_path_factory.mktemp("fsdp2-qlora"), **QLORA)
+    return reference_run(tmp_path_factory, RESUME_EVERY, **QLORA)
 
 
 @pytest.fixture(scope="module")
-def eight_bit_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, float], str]:
+def eight_bit_run(tmp_path_factory: pytest.TempPathFactory) -> Reference:
     """bf16 parameters, paged 8-bit AdamW per parameter stepped in the backward pass."""
-    return train_ok(tmp_path_factory.mktemp("fsdp2-8bit"), **EIGHT_BIT)
+    return reference_run(tmp_path_factory, RESUME_EVERY, **EIGHT_BIT)
 
 
 RESHARDABLE = {
@@ -97,13 +100,11 @@ RESHARDABLE = {
 RUNS = {**RESHARDABLE, "8-bit-in-backward": ("eight_bit_run", EIGHT_BIT)}
 
 
-def test_optimizer_in_backward_learns_as_an_unclipped_run_does(
-    tmp_path: Path, in_backward_run: tuple[Path, dict[int, float], str]
-) -> None:
+def test_optimizer_in_backward_learns_as_an_unclipped_run_does(tmp_path: Path, in_backward_run: Reference) -> None:
     """Per-parameter AdamW steps in the backward pass compute what one AdamW over all parameters computes after
     it, clipping off: the same losses and final weights up to float rounding, with fp32 states in the
     checkpoint for every parameter."""
-    output, losses, _ = in_backward_run
+    output, losses, _, _ = in_backward_run
     assert_learned(losses, STEPS, margin=1.0)
     reference_output, reference, _ = train_ok(tmp_path, **{**FULL, "max_grad_norm": 0.0})
     assert all(abs(losses[s] - reference[s]) < 1e-3 for s in reference), (losses, reference)
@@ -119,8 +120,8 @@ def test_optimizer_in_backward_learns_as_an_unclipped_run_does(
     assert params and len(moments) == 2 * len(params) and set(moments.values()) == {torch.float32}
 
 
-def test_full_finetuning_learns_and_checkpoints_fp32_masters(full_run: tuple[Path, dict[int, float], str]) -> None:
-    output, losses, _ = full_run
+def test_full_finetuning_learns_and_checkpoints_fp32_masters(full_run: Reference) -> None:
+    output, losses, _, _ = full_run
     assert_learned(losses, STEPS, margin=1.0)
     weights = load_file(output / "final" / "model.safetensors")
     assert "lm_head.weight" in weights and {t.dtype for t in weights.values()} == {torch.bfloat16}
@@ -145,12 +146,12 @@ def test_full_finetuning_learns_and_checkpoints_fp32_masters(full_run: tuple[Pat
     ids=["zero3-cpu-offload", "zero2-chunked-loss", "zero3-activation-offloading"],
 )
 def test_offload_and_zero2_with_chunked_loss_compute_the_same_losses(
-    tmp_path: Path, full_run: tuple[Path, dict[int, float], str], options: dict[str, Any]
+    tmp_path: Path, full_run: Reference, options: dict[str, Any]
 ) -> None:
     """CPU offload moves where the sharded states live, reshard_after_forward False when parameters are
     gathered, the chunked loss how the head's logits are formed, activation offloading (with gradient
     checkpointing) where the layers' inputs wait: the losses stay the reference's."""
-    _, reference, _ = full_run
+    _, reference, _, _ = full_run
     _, losses, stdout = train_ok(tmp_path, **{**FULL, **options})
     assert_learned(losses, STEPS, margin=1.0)
     assert all(abs(losses[s] - reference[s]) < 0.02 for s in (1, STEPS)), (losses, reference)
@@ -189,12 +190,12 @@ def test_bf16_masters_keep_bf16_parameters_and_optimizer_states(tmp_path: Path) 
 
 
 def test_8bit_adamw_in_backward_computes_what_its_step_after_backward_does(
-    tmp_path: Path, eight_bit_run: tuple[Path, dict[int, float], str]
+    tmp_path: Path, eight_bit_run: Reference
 ) -> None:
     """bitsandbytes' kernel on each local shard, stepped from the hooks, is the same arithmetic per parameter
     as one 8-bit AdamW stepped after the backward: the same losses and bit-identical weights. The checkpoint
     holds 8-bit states (and their absmaxes) for shards of at least 4096 elements, fp32 ones below."""
-    output, losses, _ = eight_bit_run
+    output, losses, _, _ = eight_bit_run
     assert_learned(losses, STEPS, margin=1.0)
     after_output, after, _ = train_ok(tmp_path, **{**EIGHT_BIT, "optimizer_in_backward": False})
     assert losses == after
@@ -209,10 +210,10 @@ def test_8bit_adamw_in_backward_computes_what_its_step_after_backward_does(
 
 
 def test_8bit_states_quantized_at_two_ranks_refuse_one_with_the_reason(
-    tmp_path: Path, eight_bit_run: tuple[Path, dict[int, float], str]
+    tmp_path: Path, eight_bit_run: Reference
 ) -> None:
     """Their blocks are of each rank's shard: at another world size the run stops before training, with why."""
-    output, _, _ = eight_bit_run
+    output, _, _, _ = eight_bit_run
     one = make_config(tmp_path, **{**EIGHT_BIT, "max_steps": STEPS + 4}, world_size=1, micro_batch=4)
     shutil.copytree(output / "checkpoints", Path(one.output_dir) / "checkpoints")
     result = run_trainer(write_config(one, tmp_path / "one.json"), nproc=1)
@@ -226,11 +227,10 @@ def test_killed_run_resumes_to_the_uninterrupted_result(
     tmp_path: Path, request: pytest.FixtureRequest, run: str
 ) -> None:
     fixture, options = RUNS[run]
-    reference_output, reference_losses, _ = request.getfixturevalue(fixture)
-    config = make_config(tmp_path, **options)
-    resumed = kill_after_first_checkpoint_and_resume(
-        write_config(config, tmp_path / "config.json"), config.checkpoint_dir, tmp_path
-    )
+    reference: Reference = request.getfixturevalue(fixture)
+    reference_output, reference_losses, _, _ = reference
+    config = reference.killed_copy(tmp_path, **options)  # also resumed at 1 rank below
+    resumed = resume(write_config(config, tmp_path / "config.json"), RESUME_EVERY)
     assert logged_losses(resumed.stdout)[STEPS] == reference_losses[STEPS]
     assert_same_final_weights(config.output_dir, reference_output, FINAL_WEIGHTS[config.training.method])
 
@@ -244,15 +244,13 @@ def test_checkpoint_of_two_ranks_resumes_on_one_at_the_same_step_and_data(
     optimizer in backward (accumulation 1), one micro-batch of 4 (position 4); the same blocks from there on,
     so it ends with the reference's data position and (up to reduction order) its loss."""
     fixture, options = RESHARDABLE[run]
-    reference_output, reference_losses, _ = request.getfixturevalue(fixture)
+    reference: Reference = request.getfixturevalue(fixture)
+    reference_output, reference_losses, _, _ = reference
     micro_batches = 1 if options.get("optimizer_in_backward") else 2  # per step on one rank
-    two = make_config(tmp_path, **options)
+    two = reference.killed_copy(tmp_path, **options)
     one = make_config(tmp_path, **options, world_size=1, accumulation=micro_batches, micro_batch=4 // micro_batches)
     assert one.checkpoint_dir == two.checkpoint_dir  # fsdp2's layout names no world size
-    resumed = kill_after_first_checkpoint_and_resume(
-        write_config(two, tmp_path / "two.json"), two.checkpoint_dir, tmp_path,
-        resume_config=write_config(one, tmp_path / "one.json"), resume_nproc=1,
-    )  # fmt: skip
+    resumed = resume(write_config(one, tmp_path / "one.json"), RESUME_EVERY, nproc=1)
     said = re.search(r"resumed from checkpoint step 4 \(data position (.*)\)$", resumed.stdout, re.MULTILINE)
     assert said is not None, resumed.stdout
     carried = " written at 2 rank(s) x micro-batch 2, here {'epoch': 0, 'microBatch': 8} (0 block(s) skipped)"

@@ -18,7 +18,7 @@ import torch
 
 from memfit.contract.trainer_config import TrainerConfig
 from memfit_trainer.checkpoint import DEEPSPEED_TAG as TAG
-from tests.trainer.runs import logged_losses, make_config, run_trainer, write_config
+from tests.trainer.runs import config_over_a_copy, logged_losses, make_config, run_trainer, write_config
 
 pytestmark = pytest.mark.distributed
 
@@ -33,14 +33,37 @@ def _marker(step_dir: Path) -> dict[str, Any]:
     return dict(json.loads((step_dir / "COMPLETE").read_text()))
 
 
-def _failed_source(tmp_path: Path) -> tuple[TrainerConfig, str]:
-    """DeepSpeed ZeRO-2 at 2 ranks, 8 steps planned, a checkpoint at step 4, out of memory at step 6; the
-    config and what it printed."""
-    source = make_config(tmp_path, stage=2, max_steps=8, checkpoint_every=4, name="replan")
-    failed = run_trainer(write_config(source, tmp_path / "source.json"), MEMFIT_TEST_INJECT_OOM_AT_STEP="6")
+FAILED: dict[str, Any] = dict(stage=2, max_steps=8, checkpoint_every=4, name="replan")
+FINISHED: dict[str, Any] = dict(stage=2, max_steps=4, checkpoint_every=2, name="layout")
+
+
+@pytest.fixture(scope="module")
+def failed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """DeepSpeed ZeRO-2 at 2 ranks, 8 steps planned, a checkpoint at step 4, out of memory at step 6: the
+    directory it ran in and what it printed. Run once; each test converts a copy of it."""
+    directory = tmp_path_factory.mktemp("failed")
+    source = make_config(directory, **FAILED)
+    failed = run_trainer(write_config(source, directory / "source.json"), MEMFIT_TEST_INJECT_OOM_AT_STEP="6")
     assert failed.returncode != 0
     assert sorted(p.name for p in source.checkpoint_dir.iterdir()) == ["step-000004"]
-    return source, failed.stdout
+    return directory, failed.stdout
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """DeepSpeed ZeRO-2 at 2 ranks, finished after 4 steps with checkpoints at 2 and 4: the directory it ran in.
+    Run once; each test starts from a copy of it."""
+    directory = tmp_path_factory.mktemp("finished")
+    first = make_config(directory, **FINISHED)
+    done = run_trainer(write_config(first, directory / "zero2.json"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return directory
+
+
+def _failed_source(tmp_path: Path, failed_run: tuple[Path, str]) -> tuple[TrainerConfig, str]:
+    """A copy of the failed run: its config and what it printed."""
+    directory, stdout = failed_run
+    return config_over_a_copy(directory, tmp_path, **FAILED), stdout
 
 
 def _loss_continues(source_stdout: str, resumed_stdout: str) -> None:
@@ -60,13 +83,13 @@ def _universal(source_step: Path, out: Path) -> Path:
     return out / TAG / "zero"
 
 
-def test_zero2_at_2_ranks_converts_to_zero3_at_1_rank(tmp_path: Path) -> None:
+def test_zero2_at_2_ranks_converts_to_zero3_at_1_rank(tmp_path: Path, failed_run: tuple[Path, str]) -> None:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    source, source_stdout = _failed_source(tmp_path)
+    source, source_stdout = _failed_source(tmp_path, failed_run)
     before = _tree_digest(source.checkpoint_dir)
 
-    target = make_config(tmp_path, stage=3, world_size=1, max_steps=8, checkpoint_every=4, name="replan")
+    target = make_config(tmp_path, **{**FAILED, "stage": 3}, world_size=1)
     resumed = run_trainer(write_config(target, tmp_path / "target.json"), nproc=1)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from checkpoint step 4 (converted from full-bf16-zero2-2ranks/step-000004" in resumed.stdout
@@ -87,13 +110,15 @@ def test_zero2_at_2_ranks_converts_to_zero3_at_1_rank(tmp_path: Path) -> None:
     assert all(torch.equal(weights[name], expected[name]) for name in expected)
 
 
-def test_deepspeed_converts_to_fsdp2_with_its_weights_optimizer_states_and_lr(tmp_path: Path) -> None:
+def test_deepspeed_converts_to_fsdp2_with_its_weights_optimizer_states_and_lr(
+    tmp_path: Path, failed_run: tuple[Path, str]
+) -> None:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    source, source_stdout = _failed_source(tmp_path)
+    source, source_stdout = _failed_source(tmp_path, failed_run)
     before = _tree_digest(source.checkpoint_dir)
 
-    target = make_config(tmp_path, stage=3, max_steps=8, checkpoint_every=4, name="replan", engine="fsdp2")
+    target = make_config(tmp_path, **{**FAILED, "stage": 3}, engine="fsdp2")
     resumed = run_trainer(write_config(target, tmp_path / "target.json"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from checkpoint step 4 (converted from full-bf16-zero2-2ranks/step-000004" in resumed.stdout
@@ -122,12 +147,11 @@ def test_deepspeed_converts_to_fsdp2_with_its_weights_optimizer_states_and_lr(tm
     assert [group["lr"] for group in state["optimizer"]["param_groups"]] == schedule["_last_lr"]
 
 
-def test_a_method_change_starts_from_the_weights_and_says_why(tmp_path: Path) -> None:
-    source = make_config(tmp_path, stage=2, max_steps=4, checkpoint_every=2, name="replan")
-    assert run_trainer(write_config(source, tmp_path / "full.json")).returncode == 0
+def test_a_method_change_starts_from_the_weights_and_says_why(tmp_path: Path, finished_run: Path) -> None:
+    source = config_over_a_copy(finished_run, tmp_path, **FINISHED)
     before = _tree_digest(source.checkpoint_dir)
 
-    lora = make_config(tmp_path, stage=2, max_steps=4, checkpoint_every=2, name="replan", method="lora")
+    lora = make_config(tmp_path, **FINISHED, method="lora")
     fresh = run_trainer(write_config(lora, tmp_path / "lora.json"))
     assert fresh.returncode == 0, fresh.stderr[-3000:]
     assert (
@@ -141,12 +165,11 @@ def test_a_method_change_starts_from_the_weights_and_says_why(tmp_path: Path) ->
     assert _tree_digest(source.checkpoint_dir) == before
 
 
-def test_a_misplaced_checkpoint_is_refused_and_in_its_own_directory_converted(tmp_path: Path) -> None:
-    first = make_config(tmp_path, stage=2, max_steps=4, checkpoint_every=2, name="layout")
-    done = run_trainer(write_config(first, tmp_path / "zero2.json"))
-    assert done.returncode == 0, done.stderr[-3000:]
-
-    zero3 = make_config(tmp_path, stage=3, max_steps=4, checkpoint_every=2, name="layout")
+def test_a_misplaced_checkpoint_is_refused_and_in_its_own_directory_converted(
+    tmp_path: Path, finished_run: Path
+) -> None:
+    first = config_over_a_copy(finished_run, tmp_path, **FINISHED)
+    zero3 = make_config(tmp_path, **{**FINISHED, "stage": 3})
     assert first.checkpoint_dir.parent == zero3.checkpoint_dir.parent != zero3.checkpoint_dir
     shutil.copytree(first.checkpoint_dir, zero3.checkpoint_dir)  # a ZeRO-2 checkpoint where ZeRO-3 looks
     refused = run_trainer(write_config(zero3, tmp_path / "zero3.json"))

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from memfit.contract.engines import DeepSpeedEngineSection
-from tests.trainer.runs import logged_losses, make_config, write_config
-from tests.trainer.test_training import RESUME_EVERY, assert_learned, kill_after_first_checkpoint_and_resume, train_ok
+from tests.trainer.runs import logged_losses, make_config, uninterrupted_and_resumed
+from tests.trainer.test_training import RESUME_EVERY, assert_learned
 
 pytestmark = pytest.mark.distributed
 
@@ -26,17 +26,15 @@ def test_bf16_masters_learn_and_resume_from_their_checkpoint(tmp_path: Path, sta
                    master_weights="bf16")  # fmt: skip
     (tmp_path / "reference").mkdir()
     (tmp_path / "killed").mkdir()
-    reference_output, reference_losses, _ = train_ok(tmp_path / "reference", **options)
-    assert_learned(reference_losses, STEPS, margin=1.0)
-    weights = load_file(reference_output / "final" / "model.safetensors")
-    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
-
-    config = make_config(tmp_path / "killed", **options)
+    reference, config = (make_config(tmp_path / name, **options) for name in ("reference", "killed"))
     assert isinstance(config.engine, DeepSpeedEngineSection)
     assert (stage == 0) == ("bf16" not in config.engine.config)  # ZeRO-0: no mixed precision, the weights step
-    resumed = kill_after_first_checkpoint_and_resume(
-        write_config(config, tmp_path / "killed" / "config.json"), config.checkpoint_dir, tmp_path
-    )
+    done, resumed = uninterrupted_and_resumed(reference, config, RESUME_EVERY)
+    reference_losses = logged_losses(done.stdout)
+    assert_learned(reference_losses, STEPS, margin=1.0)
+    weights = load_file(Path(reference.output_dir) / "final" / "model.safetensors")
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+
     assert logged_losses(resumed.stdout)[STEPS] == reference_losses[STEPS]
     resumed_weights = load_file(Path(config.output_dir) / "final" / "model.safetensors")
     assert resumed_weights.keys() == weights.keys()

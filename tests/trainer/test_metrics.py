@@ -18,7 +18,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from memfit.contract import progress as progress_module
-from memfit.contract.progress import Progress, read_progress, write_progress
+from memfit.contract.progress import (
+    CHECKPOINT_STEP_METRIC,
+    RESUMED_FROM_STEP_METRIC,
+    SET_ASIDE_METRIC,
+    Progress,
+    read_progress,
+    write_progress,
+)
 from memfit.contract.trainer_config import TrainerConfig
 from memfit.model_shape import ModelFamily, ModelShape
 from memfit_trainer import metrics as metrics_module
@@ -216,7 +223,7 @@ def test_progress_file_contents(tmp_path: Path, open_metrics: list[TrainerMetric
     assert progress is not None and progress.to_json() == document
     assert list(Progress.model_validate_json(document).model_dump(by_alias=True)) == [
         "step", "totalSteps", "percent", "tokensPerSecond", "etaSeconds", "eta", "lastCheckpointStep", "loss",
-        "validationLoss", "validationStep", "updated",
+        "validationLoss", "validationStep", "resumedFromStep", "checkpointsSetAside", "updated",
     ]  # fmt: skip
     assert (progress.step, progress.total_steps, progress.percent) == (3, 10, 30.0)
     assert progress.tokens_per_second == pytest.approx(2 * 4 * 4096 / 0.5)  # rank 0's rate x 2 ranks
@@ -231,6 +238,26 @@ def test_progress_file_contents(tmp_path: Path, open_metrics: list[TrainerMetric
     assert progress is not None and progress.last_checkpoint_step == 3
     assert progress.eta_seconds == pytest.approx(7 * 0.5 + 2 * 20.0)  # checkpoints at 5 and 10 remain
     assert sorted(p.name for p in progress_file.parent.iterdir()) == ["progress.json"]  # no temp files left
+
+
+def test_a_resumed_process_reports_its_checkpoint_and_what_it_set_aside(
+    tmp_path: Path, open_metrics: list[TrainerMetrics]
+) -> None:
+    """Where it resumed from is its last checkpoint until its first save (it was null after a restart), on
+    /metrics and in the progress file, with the checkpoints it set aside."""
+    progress_file = tmp_path / "progress.json"
+    metrics = start(open_metrics, trainer_config(progress_file))
+    metrics.started(resumed_from_step=40, set_aside=2)
+    feed(metrics, range(41, 43))
+    progress = read_progress(progress_file)
+    assert progress is not None
+    assert (progress.last_checkpoint_step, progress.resumed_from_step, progress.checkpoints_set_aside) == (40, 40, 2)
+    _, samples = scrape(metrics)
+    assert value(samples, RESUMED_FROM_STEP_METRIC) == 40 and value(samples, SET_ASIDE_METRIC) == 2
+    assert value(samples, CHECKPOINT_STEP_METRIC) == 40
+    metrics.checkpoint(step=45, seconds=1.0)
+    progress = read_progress(progress_file)
+    assert progress is not None and (progress.last_checkpoint_step, progress.resumed_from_step) == (45, 40)
 
 
 def test_eta_counts_the_checkpoints_still_to_come(open_metrics: list[TrainerMetrics]) -> None:

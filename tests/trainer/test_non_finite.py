@@ -2,7 +2,9 @@
 
 A DeepSpeed run (2 CPU ranks, ZeRO-2) is killed after its checkpoint of step 4; NaN is then written into that
 checkpoint's fp32 master partitions, what DeepSpeed loads the weights from (as 4 KiB of random bytes in an
-optimizer file did in issue 22). The rerun resumes from step 4, computes NaN a step later and stops there:
+optimizer file did in issue 22), and the checkpoint is sealed again, as a run without this guard would have
+sealed the NaN it wrote (unsealed edits are set aside by verification: tests/trainer/test_verified_checkpoints.py).
+The rerun resumes from step 4, computes NaN a step later and stops there:
 exit 2, one line naming the step, the loss and the checkpoint it came from, the NonFinite termination message, and
 no checkpoint or export after step 4, so the last good checkpoint is never pruned by garbage.
 """
@@ -17,9 +19,9 @@ import pytest
 import torch
 
 from memfit.api.vocabulary import TerminationReason
-from memfit_trainer.checkpoint import DEEPSPEED_TAG
-from tests.trainer.runs import make_config, run_trainer, write_config
-from tests.trainer.test_exact_resume import run_held_and_killed
+from memfit_trainer.checkpoint import COMPLETE_MARKER, DEEPSPEED_TAG, MANIFEST_KEY
+from memfit_trainer.manifest import MANIFEST, checkpoint_files, digest_share, write_manifest
+from tests.trainer.runs import make_config, run_held_and_killed, run_trainer, write_config
 
 pytestmark = pytest.mark.distributed
 
@@ -39,12 +41,21 @@ def _poison_masters(checkpoint: Path) -> int:
     return len(files)
 
 
+def _reseal(checkpoint: Path) -> None:
+    """A new manifest of the checkpoint's files as they are now, and its hash in the marker."""
+    files = checkpoint_files(checkpoint, exclude=(MANIFEST, COMPLETE_MARKER))
+    digest = write_manifest(checkpoint, digest_share(checkpoint, files, 0, 1))
+    marker = json.loads((checkpoint / COMPLETE_MARKER).read_text())
+    (checkpoint / COMPLETE_MARKER).write_text(json.dumps({**marker, MANIFEST_KEY: digest}))
+
+
 def test_a_nan_loss_stops_the_run_before_it_writes_anything(tmp_path: Path) -> None:
     config = make_config(tmp_path, method="full", stage=2, offload=False, max_steps=3 * EVERY, checkpoint_every=EVERY)
     config_path = write_config(config, tmp_path / "config.json")
     run_held_and_killed(config, config_path, EVERY)
     checkpoint = config.checkpoint_dir / f"step-{EVERY:06d}"
     assert _poison_masters(checkpoint) == 2  # one partition file per rank
+    _reseal(checkpoint)
 
     rerun = run_trainer(config_path)
     assert rerun.returncode != 0

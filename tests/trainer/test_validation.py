@@ -34,10 +34,11 @@ from tests.trainer.runs import (
     logged_losses,
     make_config,
     run_trainer,
+    uninterrupted_and_resumed,
     write_config,
     write_corpus,
 )
-from tests.trainer.test_training import RESUME_EVERY, kill_after_first_checkpoint_and_resume
+from tests.trainer.test_training import RESUME_EVERY
 
 VALIDATION_LINE = re.compile(r"^validation step (\d+)/(\d+) loss ([0-9.]+) tokens (\d+)", re.MULTILINE)
 MARKER = re.compile(r"<(\d{4})>")
@@ -238,13 +239,13 @@ def test_fsdp2_with_the_chunked_loss_validates_and_resumes_bit_identically(tmp_p
     options = dict(engine="fsdp2", stage=2, offload=False, chunked_loss=True, max_steps=STEPS,
                    checkpoint_every=RESUME_EVERY, data=write_corpus(tmp_path / "corpus.jsonl"))  # fmt: skip
     validation = ValidationConfig(fraction=0.1, every_steps=EVERY)
-    uninterrupted = with_validation(make_config(tmp_path, name="uninterrupted", **options), validation)  # type: ignore[arg-type]
-    expected = validation_lines(run_ok(uninterrupted, tmp_path / "uninterrupted.json"))
+    uninterrupted, killed = (
+        with_validation(make_config(tmp_path / name, **options), validation)  # type: ignore[arg-type]
+        for name in ("uninterrupted", "killed")
+    )
+    done, resumed = uninterrupted_and_resumed(uninterrupted, killed, RESUME_EVERY)
+    expected = validation_lines(done.stdout)
     assert sorted(expected) == [3, 6, 9, 12]
-
-    killed = with_validation(make_config(tmp_path, name="killed", **options), validation)  # type: ignore[arg-type]
-    config_path = write_config(killed, tmp_path / "killed.json")
-    resumed = kill_after_first_checkpoint_and_resume(config_path, killed.checkpoint_dir, tmp_path)
     after = validation_lines(resumed.stdout)
     assert sorted(after) == [6, 9, 12] and all(after[step] == expected[step] for step in after)
     assert_same_final_weights(killed.output_dir, uninterrupted.output_dir)

@@ -20,14 +20,16 @@ training loop places the barriers (:func:`memfit_trainer.resume.save_checkpoint`
     save_rng_state(tmp, rank)
     fsync_tree(tmp)                          # each rank flushes what it wrote (needed on network filesystems)
     barrier()                                # every shard is on disk before the marker exists
+    digest = seal(tmp, rank, world_size)     # each rank hashes its share; rank 0 writes the manifest
     if rank == 0:
-        manager.commit(step, {"dataPosition": position.to_dict()})
+        manager.commit(step, {"dataPosition": position.to_dict(), MANIFEST_KEY: digest})
         manager.prune(keep)
     barrier()                                # nobody reads or reuses the directory before it is final
 
 The engine keeps all its files inside the step directory (DeepSpeed's in the :data:`DEEPSPEED_TAG`
 subdirectory, with no ``latest`` file or converter script next to it), so the directory can be renamed; load
-it with ``engine.load_checkpoint(checkpoint.path)``. Single-process code can call :meth:`save`.
+it with ``engine.load_checkpoint(checkpoint.path)`` once :func:`memfit_trainer.verified.verify` has checked it
+against its manifest. Single-process code can call :meth:`save` (unsealed).
 """
 
 from __future__ import annotations
@@ -47,11 +49,17 @@ import numpy as np
 import torch
 
 from memfit.api.vocabulary import TIMESTAMP_FORMAT
+from memfit_trainer.protocol_hold import hold_at
 
 COMPLETE_MARKER = "COMPLETE"
 DEEPSPEED_TAG = "deepspeed"
 """The subdirectory of a step directory that holds DeepSpeed's files (its checkpoint ``tag``)."""
 TEMP_SUFFIX = ".tmp"
+SET_ASIDE_SUFFIX = ".unusable"
+"""A checkpoint that failed verification or cannot be read is renamed with this suffix (never deleted: its
+files may still be worth a look), out of the way of resumption, pruning and the clean-up of ``.tmp`` names."""
+MANIFEST_KEY = "manifestXxh3"
+"""The marker's record of the checkpoint's manifest (its content hash): :mod:`memfit_trainer.manifest`."""
 _FINAL_NAME = re.compile(r"^step-(\d+)$")
 
 
@@ -90,6 +98,11 @@ class Checkpoint:
     @property
     def data_position(self) -> Mapping[str, Any]:
         return cast(Mapping[str, Any], self.marker["dataPosition"])
+
+    @property
+    def sealed(self) -> bool:
+        """Whether it has a manifest to verify it against (checkpoints written before memfit sealed them have none)."""
+        return isinstance(self.marker.get(MANIFEST_KEY), str)
 
 
 class CheckpointManager:
@@ -137,6 +150,7 @@ class CheckpointManager:
             os.fsync(f.fileno())
         os.replace(marker_tmp, tmp / COMPLETE_MARKER)
         _fsync_path(tmp)
+        hold_at("marker-written", step)
         final = self.final_dir(step)
         replaced = None
         if final.exists():  # saving the same step twice (e.g. right after a resume): keep the newer one
@@ -146,6 +160,7 @@ class CheckpointManager:
             os.replace(final, replaced)
         os.replace(tmp, final)
         _fsync_path(self.root)
+        hold_at("renamed", step)
         if replaced is not None:
             shutil.rmtree(replaced)
         return Checkpoint(step, final, json.loads(payload))
@@ -179,24 +194,54 @@ class CheckpointManager:
                     found.append(Checkpoint(step, entry, marker))
         return sorted(found, key=lambda c: c.step)
 
+    def unmarked(self) -> list[Path]:
+        """Directories with a checkpoint's final name but no valid marker: the protocol never leaves one (the
+        marker is written before the rename), so it was damaged or copied in by hand."""
+        if not self.root.is_dir():
+            return []
+        complete = {c.path for c in self.complete()}
+        return sorted(
+            entry
+            for entry in self.root.iterdir()
+            if _FINAL_NAME.match(entry.name) and entry.is_dir() and entry not in complete
+        )
+
+    def set_aside(self, directory: Path) -> Path:
+        """Rename ``directory`` out of the way (``step-000123.unusable``, ``.unusable-2``...); its new path."""
+        target = directory.with_name(directory.name + SET_ASIDE_SUFFIX)
+        copies = 1
+        while target.exists():
+            copies += 1
+            target = directory.with_name(f"{directory.name}{SET_ASIDE_SUFFIX}-{copies}")
+        os.replace(directory, target)
+        _fsync_path(self.root)
+        return target
+
     def latest_complete(self) -> Checkpoint | None:
         """The checkpoint to resume from, or ``None`` for a fresh start."""
         checkpoints = self.complete()
         return checkpoints[-1] if checkpoints else None
 
-    def _remove(self, directory: Path) -> None:
-        doomed = directory.with_name(directory.name + ".deleting" + TEMP_SUFFIX)
-        os.replace(directory, doomed)  # atomically stops looking like a checkpoint
+    def _remove(self, checkpoint: Checkpoint) -> None:
+        doomed = checkpoint.path.with_name(checkpoint.path.name + ".deleting" + TEMP_SUFFIX)
+        os.replace(checkpoint.path, doomed)  # atomically stops looking like a checkpoint
+        hold_at("pruning", checkpoint.step)
         shutil.rmtree(doomed)
 
     def prune(self, keep: int) -> list[Path]:
-        """Delete all but the ``keep`` newest complete checkpoints (rank 0 only); returns what was removed."""
+        """Delete all but the ``keep`` newest complete checkpoints (rank 0 only); returns what was removed.
+        The newest sealed one (:attr:`Checkpoint.sealed`) stays even beyond ``keep``: unsealed newer ones
+        (written by an older memfit) cannot be verified, and it is the one a resume can trust."""
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
-        removed = [c.path for c in self.complete()[:-keep]]
-        for path in removed:
-            self._remove(path)
-        return removed
+        checkpoints = self.complete()
+        doomed = checkpoints[:-keep]
+        if not any(c.sealed for c in checkpoints[-keep:]):
+            trusted = [c for c in doomed if c.sealed]
+            doomed = [c for c in doomed if not trusted or c is not trusted[-1]]
+        for checkpoint in doomed:
+            self._remove(checkpoint)
+        return [c.path for c in doomed]
 
     def cleanup_stale(self) -> list[Path]:
         """Remove leftover temporary directories of interrupted saves and deletions.

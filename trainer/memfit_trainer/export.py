@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from memfit_trainer.checkpoint import fsync_tree, write_final_marker
+from memfit_trainer.protocol_hold import hold_at
 from memfit_trainer.training_engine import TrainingEngine
 
 
@@ -42,6 +43,7 @@ def save_final(
         tokenizer.save_pretrained(tmp)
         write_final_marker(tmp, marker)
         fsync_tree(tmp)
+        hold_at("final-written", int(marker["step"]))
         _swap_into_place(tmp, final_dir)
     dist.barrier()
 

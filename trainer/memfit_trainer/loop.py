@@ -145,7 +145,7 @@ def train(
     manager = CheckpointManager(config.checkpoint_dir)
     if ranks.rank == 0:
         config.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    start = find_start(manager, config, ranks.rank)
+    start = find_start(manager, config, ranks)
     if start.step is not None:
         check_layout(manager, start.step, config.layout.to_dict())
 
@@ -164,6 +164,7 @@ def train(
         progress.message(batches.statistics.describe())
     position, step, saved = DataPosition(), 0, 0
     resumed = resume(run, start)
+    metrics.started(resumed_from_step=None if resumed is None else resumed.step, set_aside=start.set_aside)
     if resumed is not None:
         step, position, saved = resumed.step, resumed.position, resumed.step
         progress.message(f"resumed from checkpoint step {step} ({resumed.said})")

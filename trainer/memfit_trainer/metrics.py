@@ -41,6 +41,8 @@ from memfit.api.vocabulary import Method
 from memfit.contract.progress import (
     CHECKPOINT_STEP_METRIC,
     ETA_METRIC,
+    RESUMED_FROM_STEP_METRIC,
+    SET_ASIDE_METRIC,
     STEP_METRIC,
     TOKENS_PER_SECOND_METRIC,
     TOTAL_STEPS_METRIC,
@@ -97,6 +99,8 @@ class TrainerMetrics:
         self._loss = math.nan
         self._last_checkpoint_step: int | None = None
         self._last_checkpoint_seconds = 0.0
+        self._resumed_from_step: int | None = None
+        self._set_aside = 0
         self._validation_loss: float | None = None
         self._validation_step: int | None = None
 
@@ -183,6 +187,11 @@ class TrainerMetrics:
             buckets=CHECKPOINT_BUCKETS, registry=self.registry,
         ).labels(*self._labels)  # fmt: skip
         self._checkpoint_step_gauge = self._gauge(CHECKPOINT_STEP_METRIC, "Step of the last checkpoint saved.")
+        self._resumed_gauge = self._gauge(RESUMED_FROM_STEP_METRIC, "Step of the checkpoint this process resumed from.")
+        self._set_aside_gauge = self._gauge(
+            SET_ASIDE_METRIC,
+            "Newer checkpoints this process set aside as unusable (failed verification) before resuming.",
+        )
         self._checkpoint_time_gauge = self._gauge(
             "memfit_checkpoint_last_timestamp_seconds", "Unix time the last checkpoint save finished."
         )
@@ -262,6 +271,16 @@ class TrainerMetrics:
         if self.rank == 0:
             self._report_progress()
 
+    def started(self, *, resumed_from_step: int | None, set_aside: int) -> None:
+        """Record where this process started: the checkpoint it resumed from (it counts as the last checkpoint
+        until the first save), and how many newer ones it set aside."""
+        self._set(self._set_aside_gauge, set_aside)
+        self._set_aside = set_aside
+        if resumed_from_step is not None:
+            self._set(self._resumed_gauge, resumed_from_step)
+            self._set(self._checkpoint_step_gauge, resumed_from_step)
+            self._resumed_from_step = self._last_checkpoint_step = resumed_from_step
+
     def checkpoint(self, *, step: int, seconds: float) -> None:
         """Record a finished checkpoint save of ``step`` that took ``seconds``."""
         self._checkpoint_seconds.observe(seconds)
@@ -329,6 +348,8 @@ class TrainerMetrics:
             loss=self._loss if math.isfinite(self._loss) else None,
             validation_loss=self._validation_loss,
             validation_step=self._validation_step,
+            resumed_from_step=self._resumed_from_step,
+            checkpoints_set_aside=self._set_aside,
             updated=updated,
         )
         self.last_progress = progress

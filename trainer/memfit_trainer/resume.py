@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -31,6 +31,7 @@ from memfit.contract.reader import ConfigError
 from memfit.contract.trainer_config import TrainerConfig
 from memfit_trainer.checkpoint import (
     DEEPSPEED_TAG,
+    MANIFEST_KEY,
     Checkpoint,
     CheckpointManager,
     fsync_tree,
@@ -38,21 +39,24 @@ from memfit_trainer.checkpoint import (
     read_final_marker,
     save_rng_state,
 )
-from memfit_trainer.convert import Conversion, ConversionError, find_conversion, universal_dir, write_universal
+from memfit_trainer.convert import Conversion, ConversionError, Search, find_conversion, universal_dir, write_universal
 from memfit_trainer.data import DATA_FINGERPRINT, DataPosition, PackedBatches, carry_position
-from memfit_trainer.run import Run
+from memfit_trainer.run import Ranks, Run
+from memfit_trainer.verified import newest_verified, seal, set_aside_unmarked
 
 
 @dataclass(frozen=True)
 class Start:
     """Where the run starts: a ``conversion`` of another layout's checkpoint newer than this layout's newest
     (its universal checkpoint written), else this layout's newest, of ``step``, else the weights; ``refusal``
-    says why a newer checkpoint is not used; ``finished``: the step of a final export newer than all of them."""
+    says why a newer checkpoint is not used; ``finished``: the step of a final export newer than all of them;
+    ``set_aside``: how many newer checkpoints failed verification (or had no valid marker) and were set aside."""
 
     step: int | None = None
     conversion: Conversion | None = None
     refusal: str | None = None
     finished: int | None = None
+    set_aside: int = 0
 
     @property
     def newest(self) -> int | None:
@@ -72,17 +76,39 @@ class Resumed(NamedTuple):
     said: str
 
 
-def find_start(manager: CheckpointManager, config: TrainerConfig, rank: int) -> Start:
-    """Rank 0 decides (and writes the universal checkpoint of a conversion), shared so that all ranks load the
-    same one. A conversion that fails is said in one line and the run starts from what else it has."""
-    found: list[Start | None] = [None]
+def find_start(manager: CheckpointManager, config: TrainerConfig, ranks: Ranks) -> Start:
+    """Collective. Rank 0 decides (and writes the universal checkpoint of a conversion), shared so that all
+    ranks load the same one; the checkpoint it names has been verified by all of them
+    (:mod:`memfit_trainer.verified`), each newer one that failed set aside. A conversion that fails is said in
+    one line and the run starts from what else it has."""
+    rank, world_size = ranks.rank, ranks.world_size
+    unmarked = 0
     if rank == 0:
         manager.cleanup_stale()
-        start = _newest_loadable(manager, config)
-        finished = _finished_step(config)
+        unmarked = set_aside_unmarked(manager)
+    own, own_set_aside = newest_verified(manager.latest_complete, rank, world_size)
+    own_step = None if own is None else own.step
+    finished = _finished_step(config) if rank == 0 else None
+    searched: list[Search] = []
+
+    def newer_conversion() -> Checkpoint | None:
+        """Rank 0: the checkpoint of the newest other layout's that is newer than this layout's and converts,
+        where the training is not done already (nothing to convert then)."""
+        search = find_conversion(manager.root, config.layout, newer_than=-1 if own_step is None else own_step)
+        if search.conversion is not None and finished is not None and finished > search.conversion.source.step:
+            search = Search(None, search.refusal)
+        searched[:] = [search]
+        return None if search.conversion is None else search.conversion.source
+
+    _, other_set_aside = newest_verified(newer_conversion, rank, world_size)
+    found: list[Start | None] = [None]
+    if rank == 0:
+        [search] = searched
+        start = Start(own_step, search.conversion, set_aside=unmarked + own_set_aside + other_set_aside)
+        if search.conversion is None and search.refusal is not None:
+            start = replace(start, refusal=f"{search.refusal}; {_fallback(own_step)}")
         if finished is not None and finished > (start.newest or 0):
-            # Nothing to convert for a run that is done (a run whose steps changed goes on from its own).
-            start = Start(step=start.step, finished=finished)
+            start = replace(start, finished=finished, refusal=None)  # done: no newer checkpoint matters
         if start.conversion is not None:
             start = _converted(manager, config, start)
         if start.refusal is not None:
@@ -113,18 +139,6 @@ def _finished_step(config: TrainerConfig) -> int | None:
     return int(marker["step"]) if same else None
 
 
-def _newest_loadable(manager: CheckpointManager, config: TrainerConfig) -> Start:
-    """This layout's newest checkpoint and the newest of other layouts that converts to it where that is newer
-    (after a re-plan and back both hold checkpoints); a newer one that does not convert said."""
-    own = manager.latest_complete()
-    own_step = None if own is None else own.step
-    search = find_conversion(manager.root, config.layout, newer_than=-1 if own_step is None else own_step)
-    refusal = search.refusal
-    if search.conversion is None and refusal is not None:
-        refusal = f"{refusal}; {_fallback(own_step)}"
-    return Start(step=own_step, conversion=search.conversion, refusal=refusal)
-
-
 def _fallback(own_step: int | None) -> str:
     return "starting from the weights" if own_step is None else f"resuming from this layout's step {own_step}"
 
@@ -138,7 +152,7 @@ def _converted(manager: CheckpointManager, config: TrainerConfig, start: Start) 
         partitioned = config.layout.zero_stage == 3  # DeepSpeed ZeRO-3 (an fsdp2 layout records stage 0)
         write_universal(source, DEEPSPEED_TAG, universal_dir(manager, source.step), partitioned)
     except ConversionError as error:
-        return Start(step=start.step, refusal=f"{str(error).splitlines()[0]}; {_fallback(start.step)}")
+        return replace(start, conversion=None, refusal=f"{str(error).splitlines()[0]}; {_fallback(start.step)}")
     return start
 
 
@@ -225,11 +239,12 @@ def save_checkpoint(run: Run, step: int, position: DataPosition, converted_from:
     save_rng_state(tmp, ranks.rank)
     fsync_tree(tmp)
     dist.barrier()
+    digest = seal(tmp, ranks.rank, ranks.world_size)
     if ranks.rank == 0:
         shape = {"worldSize": ranks.world_size, "microBatchSize": training.micro_batch_size}
         origin = {} if converted_from is None else {"convertedFrom": converted_from}
         marker = {"dataPosition": position.to_dict(), "dataShape": shape, "layout": run.config.layout.to_dict(),
-                  DATA_FINGERPRINT: run.batches.fingerprint}  # fmt: skip
+                  DATA_FINGERPRINT: run.batches.fingerprint, MANIFEST_KEY: digest}  # fmt: skip
         manager.commit(step, {**marker, **origin})
         manager.prune(training.keep_checkpoints)
     dist.barrier()
