@@ -93,6 +93,11 @@ RUN DS_BUILD_CPU_ADAM=1 DS_BUILD_FUSED_ADAM=1 DS_BUILD_AIO=1 DS_BUILD_SHM_COMM=1
       built = ('cpu_adam', 'fused_adam', 'async_io') + (('deepspeed_shm_comm',) if '${TRAINER_VARIANT}' == 'cpu' else ()); \
       assert all(ops[op] for op in built), ops" \
  && useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin memfit
+# flash-attention 2 (CUDA image only): the planner plans it for profiled models on Ampere or later GPUs, where
+# it holds no attention mask (long packed sequences, and sequence parallelism, which cannot split flex's mask).
+# Compiled by the devel base's nvcc for the same architectures.
+RUN [ "${TRAINER_VARIANT}" != cuda ] \
+ || MAX_JOBS=4 TORCH_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0" python -m pip install --no-build-isolation "flash-attn>=2.7,<3"
 # memfit itself, without its dependencies (the layer above; pip check fails the build if one is unmet).
 COPY pyproject.toml README.md ./
 COPY memfit ./memfit

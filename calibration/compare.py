@@ -13,7 +13,12 @@ from dataclasses import fields
 from typing import Any, cast
 
 from memfit.api.vocabulary import Attention, Method, Precision
-from memfit.memory.activations import ActivationEstimate, ActivationSetup, estimate_activations
+from memfit.memory.activations import (
+    ActivationEstimate,
+    ActivationSetup,
+    estimate_activations,
+    tiled_mlp_gradients,
+)
 from memfit.memory.engines.deepspeed import forward_backward_moments, gradient_timeline
 from memfit.model_shape import ModelFamily, ModelShape
 
@@ -40,17 +45,27 @@ def measured_beyond_states(record: dict[str, Any]) -> int:
 def predicted_beyond_states(record: dict[str, Any]) -> int:
     """The memory model's forward/backward moments for the traced plain-PyTorch step: gradients set to
     None between steps, the trace's own gradient bytes (plain peft keeps adapters in fp32)."""
-    shape, settings = record_shape(record), record["settings"]
-    timeline = gradient_timeline(shape, Method(settings["trainable"]), Precision(settings["dtype"]))
+    shape, setup = record_shape(record), record_setup(record)
+    timeline = gradient_timeline(
+        shape,
+        setup.method,
+        setup.precision,
+        tiled_mlp_gradients(shape, setup.method, setup.tiled_mlp, setup.element_bytes),
+    )
     gradients = record["phases"]["backward"]["end"]["GRAD"]
-    return sum(forward_backward_moments(activation_estimate(record), gradients, False, timeline))
+    return sum(forward_backward_moments(estimate_activations(shape, setup), gradients, False, timeline))
 
 
 def activation_estimate(record: dict[str, Any]) -> ActivationEstimate:
+    return estimate_activations(record_shape(record), record_setup(record))
+
+
+def record_setup(record: dict[str, Any]) -> ActivationSetup:
+    """The activation knobs of the traced step."""
     settings, shape = record["settings"], record_shape(record)
     lora = settings["trainable"] == Method.LORA
     targets = shape.resolve_lora_targets(tuple(settings["lora_targets"] or ())) if lora else frozenset()
-    setup = ActivationSetup(
+    return ActivationSetup(
         method=Method.LORA if lora else Method.FULL,
         precision=Precision(settings["dtype"]),
         gradient_checkpointing=settings["gradient_checkpointing"],
@@ -64,8 +79,9 @@ def activation_estimate(record: dict[str, Any]) -> ActivationEstimate:
         chunked_loss=settings.get("chunked_loss", False),
         activation_offloading=settings.get("activation_offloading", False),
         masked_batches=settings.get("causal_mask") == "explicit",
+        sequence_parallel=settings.get("sequence_parallel", 1),
+        tiled_mlp=settings.get("tiled_mlp", False),
     )
-    return estimate_activations(shape, setup)
 
 
 def relative_error(record: dict[str, Any]) -> float:

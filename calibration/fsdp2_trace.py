@@ -28,11 +28,11 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from calibration.memtrace import _build_model, _optimizer, lora_settings, shape_fields, tracked_training_steps
+from calibration.memtrace import _build_model, _optimizer, distributed_record, lora_settings, tracked_training_steps
 from memfit.api.vocabulary import Attention, MasterWeights, Method, Precision
 from memfit.contract.engines import Fsdp2EngineSection
 from memfit.model_shape import ModelShape
-from memfit_trainer.fake_trace import fake_run, fake_weights, transient
+from memfit_trainer.fake_trace import fake_run, fake_weights
 
 Trainable = Literal[Method.FULL, Method.LORA]
 
@@ -102,17 +102,7 @@ def trace_fsdp2_step(
         start, phases = _traced_step(shape, mesh, settings, steps, micro_batch, seq_len)
     finally:
         dist.destroy_process_group()  # the fake group must not outlive the trace (other tests start their own)
-    peak_phase = max(phases, key=lambda name: phases[name]["peak"]["total"])
-    return {
-        "shape": shape_fields(shape),
-        "settings": settings,
-        "versions": {"torch": torch.__version__},
-        "peak_total": phases[peak_phase]["peak"]["total"],
-        "peak_phase": peak_phase,
-        "activation_bytes": transient(phases[peak_phase]["peak"]),
-        "start": start,
-        "phases": phases,
-    }
+    return distributed_record(shape, settings, start, phases)
 
 
 def _traced_step(

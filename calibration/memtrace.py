@@ -281,6 +281,24 @@ def trace_training_step(
     }
 
 
+def distributed_record(
+    shape: ModelShape, settings: dict[str, Any], start: dict[str, int], phases: dict[str, dict[str, dict[str, int]]]
+) -> dict[str, Any]:
+    """The record of one rank's traced step on a fake process group (``calibration.fsdp2_trace``,
+    ``calibration.sp_trace``), shaped as :func:`trace_training_step`'s where ``calibration.compare`` reads it."""
+    peak_phase = max(phases, key=lambda name: phases[name]["peak"]["total"])
+    return {
+        "shape": shape_fields(shape),
+        "settings": settings,
+        "versions": {"torch": torch.__version__},
+        "peak_total": phases[peak_phase]["peak"]["total"],
+        "peak_phase": peak_phase,
+        "activation_bytes": transient(phases[peak_phase]["peak"]),
+        "start": start,
+        "phases": phases,
+    }
+
+
 def shape_fields(shape: ModelShape) -> dict[str, Any]:
     """The shape as plain JSON, plus the derived widths the formulas use."""
     fields = {f.name: getattr(shape, f.name) for f in dataclasses.fields(shape)}

@@ -253,6 +253,11 @@ class ModelShape:
         return max(self.embedding_parameters, linear)
 
     @cached_property
+    def tiled_mlp_parameters(self) -> int:
+        """A dense layer's MLP weights (the trainer tiles no mixture of experts)."""
+        return 0 if self.is_moe else sum(m.weight_parameters for m in self.linears_of(Role.MLP))
+
+    @cached_property
     def active_parameters_per_token(self) -> int:
         """Parameters a token flows through (MoE: only its routed experts): sets the FLOPs."""
         if not self.is_moe:

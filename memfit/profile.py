@@ -21,10 +21,14 @@ from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-PROFILE_VERSION = 4
-"""Bumped when a field changes meaning; a reader refuses a profile of another version (2: ``activations``;
+PROFILE_VERSION = 5
+"""Bumped when a field changes meaning; a reader refuses a profile of a version it cannot read (2: ``activations``;
 3: attention widths, and activations traced for full fine-tuning and for LoRA on packed rows, with the loss's
-backward, and checkpointed; 4: the terms outside the layers also traced with the chunked loss)."""
+backward, and checkpointed; 4: the terms outside the layers also traced with the chunked loss; 5: every setup
+also traced on an unmasked row, plain and with tiled MLPs: ``ActivationProfile.unmasked`` and ``tiled_mlp``)."""
+READABLE_VERSIONS = frozenset({4, PROFILE_VERSION})
+"""Versions this memfit reads. A version-4 profile has no unmasked terms: it is planned as before, with its traced
+kernel on packed rows only (SDPA's s² document mask), until it is traced again (``make profiles``)."""
 
 
 class Role(StrEnum):
@@ -229,13 +233,23 @@ class ActivationTerms(_Frozen):
         return self.outside.outside_layers.bytes(tokens) + saved
 
 
+class TracedSetups(_Frozen):
+    """The four setups of :class:`ActivationProfile` traced on other rows or with another technique."""
+
+    full: ActivationTerms
+    full_checkpointed: ActivationTerms
+    lora: ActivationTerms | None
+    lora_checkpointed: ActivationTerms | None
+
+
 class ActivationProfile(_Frozen):
     """Activation terms traced from a truncated copy of the model (one layer of each type, real widths): a
     training micro-batch of one row in bf16, forward and backward, under FakeTensorMode with torch's MemTracker
     (``memfit_trainer.activation_profile``), without and with gradient checkpointing (a checkpointed layer keeps
     its input, and its recomputation is part of its backward peak). The row holds two packed documents
     (restarting ``position_ids``, as the trainer packs), so the attention mask ``transformers`` builds for packed
-    rows is traced with the rest."""
+    rows is traced with the rest; every setup is traced again on a row that needs no mask (``unmasked``), and
+    there with tiled MLPs (``tiled_mlp``)."""
 
     dtype: str
     micro_batch: int = Field(ge=1)
@@ -253,11 +267,28 @@ class ActivationProfile(_Frozen):
     (``lora_failure``)."""
     lora_checkpointed: ActivationTerms | None
     """LoRA as ``lora``, the decoder layers checkpointed."""
+    unmasked: TracedSetups | None = None
+    """The setups traced again on a row of one unpadded document: no attention mask at all, so SDPA runs
+    ``is_causal`` and saves its output and log-sum-exp, what flash attention saves (which takes packed documents
+    as sequence boundaries, ``cu_seq_lens``, not as a mask). The terms of a plan with flash attention, and of
+    SDPA on batches that need no mask. None in a version-4 profile."""
+    tiled_mlp: TracedSetups | None = None
+    """The unmasked setups with the trainer's tiled MLP (``memfit_trainer.tiled_mlp``), traced at multiples of
+    the hidden size (whole tiles), with the model's own loss only: what tiling changes is inside the layers.
+    None in a version-4 profile."""
     lora_rank: int = Field(ge=1)
     lora_dropout: float = Field(ge=0, lt=1)
     lora_failure: str | None = None
     """Why a training step of the model with peft's adapters failed (e.g. peft wrapping a module whose forward
     returns a tuple): the planner plans no LoRA or QLoRA for it."""
+
+    def terms(self, lora: bool, checkpointed: bool, setups: TracedSetups | None = None) -> ActivationTerms | None:
+        """The terms of one setup: LoRA or full, checkpointed or not, of these traced setups (default: the
+        packed rows'); None where that setup cannot train."""
+        traced: ActivationProfile | TracedSetups = setups or self
+        if lora:
+            return traced.lora_checkpointed if checkpointed else traced.lora
+        return traced.full_checkpointed if checkpointed else traced.full
 
 
 class ModelProfile(_Frozen):
@@ -290,8 +321,9 @@ class ModelProfile(_Frozen):
 
     @model_validator(mode="after")
     def _known_version(self) -> Self:
-        if self.version != PROFILE_VERSION:
-            raise ValueError(f"profile version {self.version}, this memfit reads version {PROFILE_VERSION}")
+        if self.version not in READABLE_VERSIONS:
+            readable = ", ".join(map(str, sorted(READABLE_VERSIONS)))
+            raise ValueError(f"profile version {self.version}, this memfit reads versions {readable}")
         if len(self.layer_types) != self.num_layers:
             raise ValueError(f"{len(self.layer_types)} layer types for {self.num_layers} layers")
         return self

@@ -4,9 +4,9 @@
 alone: parameters, the tensors each method trains, what bitsandbytes quantizes and what peft adapts are the
 profile's inventory (exact by construction), and the attention FLOPs follow each layer's type. Its activations
 come from the profile's traced terms (:mod:`memfit.memory.profiled_activations`), which cover a 16-bit step
-with the traced attention kernel, with the model's own loss or the chunked one, with or without activation
-offloading: what is not traced is what :attr:`ProfiledModel.untraced_techniques` and
-:meth:`ProfiledModel.unplannable` report.
+with the traced attention kernel (and flash attention, from the terms traced without a mask on SDPA), with the
+model's own loss or the chunked one, with or without activation offloading or tiled MLPs: what is not traced is
+what :attr:`ProfiledModel.untraced_techniques` and :meth:`ProfiledModel.unplannable` report.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from memfit.api.vocabulary import ALL_LINEAR, Attention, Method, Precision
 from memfit.planned_model import TensorCounts, model_flops
 from memfit.profile import ActivationProfile, LoraResolution, ModelProfile, Role
 
+KERNEL_NAMES = {Attention.FLASH: "flash_attention_2", Attention.FLEX: "flex_attention"}
+"""transformers' ``attn_implementation`` of the kernels whose name there differs from memfit's."""
 WINDOWED = ("sliding", "chunked")
 """Layer types whose attention a window bounds (sliding windows, Llama 4's chunked attention)."""
 LINEAR_ATTENTION = "linear_attention"
@@ -47,7 +49,16 @@ class ProfiledModel:
         activations = self.activations
         setups = [activations.full, activations.full_checkpointed, activations.lora, activations.lora_checkpointed]
         chunked = all(terms.chunked_loss is not None for terms in setups if terms is not None)
-        return frozenset() if chunked else frozenset({"chunked_loss"})
+        untraced = {"chunked_loss": not chunked, "tiled_mlp": not self._traces_tiled_mlp}
+        return frozenset(knob for knob, missing in untraced.items() if missing)
+
+    @property
+    def _traces_tiled_mlp(self) -> bool:
+        """Whether every setup that trains was traced with the trainer's tiled MLP (not in a version-4 profile)."""
+        tiled = self.activations.tiled_mlp
+        if tiled is None:
+            return False
+        return self.activations.lora is None or (tiled.lora is not None and tiled.lora_checkpointed is not None)
 
     def planned_fields(self) -> dict[str, bool | int | str]:
         """The fields every config states alike at the top of its text config (the profile's head widths are
@@ -65,7 +76,10 @@ class ProfiledModel:
     @property
     def basis(self) -> str:
         sha = self.profile.config_sha256[:12]
-        return f"profile of {self.profile.architecture} built from its config.json (sha256 {sha}...)"
+        basis = f"profile of {self.profile.architecture} built from its config.json (sha256 {sha}...)"
+        if self.activations.unmasked is None:
+            basis += f", version {self.profile.version}: traced on packed rows only, no flash attention or tiled MLP"
+        return basis
 
     def __repr__(self) -> str:
         return f"ProfiledModel({self.profile.architecture}, config sha256 {self.profile.config_sha256[:12]})"
@@ -123,6 +137,12 @@ class ProfiledModel:
             for layer in group.layers:
                 per_layer[layer] += math.prod(group.shape)
         return max(per_layer.values(), default=0)
+
+    @cached_property
+    def tiled_mlp_parameters(self) -> int:
+        """A layer's MLP weights, averaged over the layers: exact where every layer has the same MLP; on a mixture
+        of experts it counts shared dense MLPs the trainer leaves untiled (their gradients then count early)."""
+        return self._parameters(Role.MLP) // self.num_layers
 
     @cached_property
     def largest_layer_parameters(self) -> int:
@@ -201,6 +221,14 @@ class ProfiledModel:
         return tuple((math.prod(group.shape), group.count) for group in self.profile.tensors if group.quantizable)
 
     # --- what the traces cover ---------------------------------------------------------------
+    @cached_property
+    def plans_flash(self) -> bool:
+        """Whether flash attention can be planned: the class implements it, and its setups were traced without a
+        mask on SDPA, whose ``is_causal`` path saves what flash saves (its output and log-sum-exp; flash takes
+        packed documents as boundaries, not as a mask). Traced on eager, an unmasked row still holds the scores."""
+        flash = KERNEL_NAMES[Attention.FLASH] in self.profile.attention_kernels
+        return flash and self.activations.attention == Attention.SDPA.value and self.activations.unmasked is not None
+
     def method_problem(self, method: Method) -> str | None:
         failure = self.activations.lora_failure
         if method == Method.FULL or failure is None:
@@ -214,10 +242,15 @@ class ProfiledModel:
         if precision == Precision.FP32:
             return f"training.precision fp32: the profile of {self.profile.architecture} traced 16-bit activations"
         kernels = self.profile.attention_kernels
-        if attention is not None and attention.value not in kernels:
+        if attention is not None and KERNEL_NAMES.get(attention, attention.value) not in kernels:
             return f"strategy.attention {attention.value}: {self.profile.architecture} supports {', '.join(kernels)}"
         traced = self.activations.attention
-        if attention is not None and attention.value != traced:
+        if attention == Attention.FLASH and not self.plans_flash:
+            return (
+                f"strategy.attention flash: the profile of {self.profile.architecture} holds no terms traced "
+                f"without a mask on {Attention.SDPA.value} attention (trace it again: make profiles)"
+            )
+        if attention not in (None, Attention.FLASH) and attention.value != traced:
             return (
                 f"strategy.attention {attention.value}: the profile of {self.profile.architecture} traced its "
                 f"activations with {traced} attention (leave strategy.attention out)"

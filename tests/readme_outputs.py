@@ -18,8 +18,10 @@ from pathlib import Path
 from memfit.cli.main import main
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-COMMAND = re.compile(r"^\$ (memfit (?:plan|profile|presets) .*|python bench/peer_figures\.py)$", re.MULTILINE)
-BENCHES = {"python bench/peer_figures.py": "bench.peer_figures"}
+COMMAND = re.compile(
+    r"^\$ (memfit (?:plan|profile|presets) .*|python bench/(?:peer_figures|long_context)\.py)$", re.MULTILINE
+)
+BENCHES = {"python bench/peer_figures.py": "bench.peer_figures", "python bench/long_context.py": "bench.long_context"}
 """The benchmarks whose output the README shows: their module's ``main()`` prints it."""
 TIMING = re.compile(r"planned in [0-9.]+ ms")
 """The one part of the output that differs from run to run."""

@@ -15,6 +15,9 @@ from typing import Any
 import pytest
 
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.timeout(1800)
+"""The module's fixture traces every family in all twelve setups (about 90 s for the small Llama alone on two
+shared cores), before its first test: more than the suite's 900 s per test on a loaded machine."""
 
 from memfit.api.vocabulary import Attention, Method, Precision  # noqa: E402
 from memfit.cli.profile_command import _activation_facts  # noqa: E402
@@ -37,6 +40,7 @@ from memfit_trainer.activation_profile import (  # noqa: E402
 
 WIDTHS = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2}
 WIDTHS = {**WIDTHS, "head_dim": 64, "vocab_size": 1024}
+QUERY_WIDTH = WIDTHS["num_attention_heads"] * WIDTHS["head_dim"]
 TOKENS = (64, 128, 192, 256, 384)
 HELD_OUT = 320
 WINDOW = 64
@@ -132,7 +136,7 @@ def test_terms_are_exact_and_predict_a_held_out_count_and_a_whole_model(
     assert abs(predicted - whole.forward_end) <= 0.05 * whole.forward_end
     method = Method.FULL if setup == "full" else Method.LORA
     plan = ActivationSetup(method, Precision.BF16, False, 1, HELD_OUT, Attention(profile.attention))
-    peak = composed(traced, kinds, int(text.hidden_size), plan).peak
+    peak = composed(traced, kinds, int(text.hidden_size), QUERY_WIDTH, plan).peak
     assert abs(peak - whole.peak) <= 0.05 * whole.peak, (peak, whole.peak)
 
 
@@ -256,7 +260,7 @@ def test_checkpointed_layers_compose_from_the_terms_within_5_percent_of_a_whole_
     whole = trace(text, kinds, HELD_OUT, profile.attention, checkpointed)
     method = Method.FULL if setup == "full" else Method.LORA
     plan = ActivationSetup(method, Precision.BF16, True, 1, HELD_OUT, Attention(profile.attention))
-    peak = composed(traced, kinds, int(text.hidden_size), plan).peak
+    peak = composed(traced, kinds, int(text.hidden_size), QUERY_WIDTH, plan).peak
     assert abs(peak - whole.peak) <= 0.05 * whole.peak, (peak, whole.peak)
 
 
@@ -280,11 +284,15 @@ def test_offloaded_layers_compose_from_the_checkpointed_terms_within_5_percent_o
     plan = ActivationSetup(
         method, Precision.BF16, True, 1, HELD_OUT, Attention(profile.attention), activation_offloading=True
     )
-    deep, shallow = (composed(traced, kinds, int(text.hidden_size), plan) for kinds in (pattern * 2, pattern))
+    deep, shallow = (
+        composed(traced, kinds, int(text.hidden_size), QUERY_WIDTH, plan) for kinds in (pattern * 2, pattern)
+    )
     assert abs(deep.peak - whole.peak) <= 0.05 * whole.peak, (deep.peak, whole.peak)
     deeper = pattern * 4  # LoRA keeps its first layer's input, and brings two back: few layers gain nothing
-    kept = composed(traced, deeper, int(text.hidden_size), dataclasses.replace(plan, activation_offloading=False))
-    moved = composed(traced, deeper, int(text.hidden_size), plan)
+    kept = composed(
+        traced, deeper, int(text.hidden_size), QUERY_WIDTH, dataclasses.replace(plan, activation_offloading=False)
+    )
+    moved = composed(traced, deeper, int(text.hidden_size), QUERY_WIDTH, plan)
     assert moved.peak < kept.peak and moved.host_bytes > 0 == kept.host_bytes
     if len(pattern) >= 4:  # both deep enough that a prefetch runs beside the last layer's backward
         assert deep.peak == shallow.peak
@@ -312,7 +320,7 @@ def test_the_chunked_loss_terms_compose_within_5_percent_of_a_whole_model_trace(
     plan = ActivationSetup(
         method, Precision.BF16, checkpointing, 1, HELD_OUT, Attention(profile.attention), chunked_loss=True
     )
-    peak = composed(traced, kinds, int(text.hidden_size), plan).peak
+    peak = composed(traced, kinds, int(text.hidden_size), QUERY_WIDTH, plan).peak
     assert abs(peak - whole.peak) <= 0.05 * whole.peak, (peak, whole.peak)
 
 
@@ -320,3 +328,53 @@ def test_the_chunked_loss_terms_compose_within_5_percent_of_a_whole_model_trace(
 def test_setups_traced_in_worker_processes_are_the_ones_traced_here(profiles: dict[str, ActivationProfile]) -> None:
     """The profile traces its setups in two forked workers where it may run on two CPUs: the same terms."""
     assert activation_profile(CONFIGS["llama"], _tokens("llama"), workers=1) == profiles["llama"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_an_unmasked_row_keeps_no_quadratic_term_in_its_attention_layers(
+    name: str, profiles: dict[str, ActivationProfile]
+) -> None:
+    """On one unpadded document SDPA runs ``is_causal`` and saves its output and log-sum-exp (what flash attention
+    saves): no traced term grows with T², in any setup, and a layer keeps less than on a packed row."""
+    profile = profiles[name]
+    assert profile.unmasked is not None
+    for lora in (False, True):
+        for checkpointed in (False, True):
+            unmasked = profile.terms(lora, checkpointed, profile.unmasked)
+            assert unmasked is not None
+            terms = [
+                *_outside_terms(unmasked),
+                *(t for layer in unmasked.layers for t in (layer.saved, layer.backward_peak)),
+            ]
+            assert all(term.exact and term.per_token_squared == 0 for term in terms)
+    packed, unmasked_full = profile.full.layer("full_attention"), profile.unmasked.full.layer("full_attention")
+    assert unmasked_full.saved.bytes(HELD_OUT) < packed.saved.bytes(HELD_OUT)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setup", SETUPS)
+def test_tiled_mlp_terms_keep_less_and_predict_a_held_out_count_of_whole_tiles(
+    setup: str, profiles: dict[str, ActivationProfile]
+) -> None:
+    """The trainer's tiled MLP, traced at whole tiles (multiples of the hidden size): the layer keeps no
+    intermediate-size tensors (less than untiled at the same count) and the terms predict a further whole-tile
+    count to the byte."""
+    profile = profiles["llama"]
+    assert profile.tiled_mlp is not None and profile.unmasked is not None
+    text = text_config(CONFIGS["llama"])
+    kinds, held_out = distinct_layer_types(text), 5 * int(text.hidden_size)
+    row = Setup(lora=_setup(profile, setup).lora, packed=False)
+    whole = trace(text, kinds, held_out, profile.attention, dataclasses.replace(row, tiled_mlp=True))
+    tiled, untiled = (profile.terms(setup == "lora", False, traced) for traced in (profile.tiled_mlp, profile.unmasked))
+    assert tiled is not None and untiled is not None
+    for layer in whole.layers:
+        assert layer.saved == tiled.layer(layer.layer_type).saved.bytes(held_out)
+        assert layer.backward_peak == tiled.layer(layer.layer_type).backward_peak.bytes(held_out)
+        mlp = 3 * held_out * WIDTHS["intermediate_size"] * 2  # at least gate, up and their product, bf16
+        assert untiled.layer(layer.layer_type).saved.bytes(held_out) - layer.saved >= mlp
+
+
+def _outside_terms(terms: ActivationTerms) -> list[ActivationTerm]:
+    outside = terms.outside
+    return [outside.outside_layers, outside.loss_backward, outside.outside_backward]

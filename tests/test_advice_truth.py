@@ -29,6 +29,8 @@ L4 = pool("l4", "NVIDIA-L4", 1, 4, 60)
 ONE_L4_BIG_HOST = pool("l4", "NVIDIA-L4", 1, 1, 1000)
 A100_SMALL_NVME = pool("a100-nvme", "NVIDIA-A100-SXM4-80GB", 8, 1, 1000, 50)
 METHODS = ("full", "lora", "qlora")
+WHOLE_SEQUENCES = {"sequenceParallel": 1, "tiledMlp": False}
+"""Pinned where a scenario needs a long sequence not to fit (split over GPUs, or with the tiled MLP, it does)."""
 
 
 @dataclass
@@ -49,7 +51,7 @@ def single_plan_case() -> Case:
         "full",
         batch=1,
         sequence=256,
-        strategy={"zeroStage": 0, "gradientCheckpointing": False, "chunkedLoss": False},
+        strategy={"zeroStage": 0, "gradientCheckpointing": False, "chunkedLoss": False, "tiledMlp": False},
     )
     only = plan_job(spec, [T4_ONE]).chosen
     assert only is not None
@@ -78,14 +80,20 @@ SCENARIOS: dict[str, Callable[[], Case]] = {
         job("llama-2-13b", "full", strategy={"zeroStage": 0}), [ONE_L4_BIG_HOST]
     ),
     "long sequence, checkpointing pinned off": lambda: Case(
-        job("llama-3.1-8b", "full", batch=8, sequence=32768, strategy={"zeroStage": 3, "gradientCheckpointing": False}),
+        job(
+            "llama-3.1-8b",
+            "full",
+            batch=8,
+            sequence=32768,
+            strategy={"zeroStage": 3, "gradientCheckpointing": False, **WHOLE_SEQUENCES},
+        ),
         [A100_NODE],
     ),  # fmt: skip
     "very long sequence": lambda: Case(
-        job("llama-3.1-8b", "full", batch=8, sequence=131072, strategy={"zeroStage": 3}), [A100_NODE]
+        job("llama-3.1-8b", "full", batch=8, sequence=262144, strategy={"zeroStage": 3, **WHOLE_SEQUENCES}), [A100_NODE]
     ),
     "large pinned micro-batch": lambda: Case(
-        job("llama-2-70b", "full", batch=64, strategy={"microBatchSize": 64}), [A100_NODE]
+        job("llama-2-70b", "full", batch=64, strategy={"microBatchSize": 64, "sequenceParallel": 1}), [A100_NODE]
     ),
     "70b full on 8 V100s": lambda: Case(job("llama-2-70b", "full", batch=64, resources={"maxGPUs": 8}), [V100_NODE]),
     "70b full on 8 V100s, maxGPUs 2": lambda: Case(

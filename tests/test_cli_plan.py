@@ -32,7 +32,7 @@ CANDIDATE_KEYS = {
 STRATEGY_KEYS = {"method", "pool", "nodes", "gpusPerNode", "zeroStage", "offloadOptimizer", "offloadParameters",
                  "gradientCheckpointing", "microBatchSize", "gradientAccumulationSteps", "precision", "optimizer",
                  "attention", "chunkedLoss", "activationOffloading", "masterWeights", "engine",
-                 "optimizerInBackward"}  # fmt: skip
+                 "optimizerInBackward", "sequenceParallel", "tiledMlp"}  # fmt: skip
 PER_GPU_KEYS = {"parameters", "gradients", "optimizerStates", "activations", "overhead", "peakAllocatedBytes", "total"}
 
 

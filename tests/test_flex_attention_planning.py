@@ -10,7 +10,7 @@ import pytest
 
 from memfit.api.finetunejob import FineTuneJobSpec
 from memfit.api.vocabulary import Attention
-from memfit.planner.attention import flex_holds_less
+from memfit.planner.attention import holds_less
 from memfit.planner.search import PlanningError, plan_job
 from tests.planning_fixtures import A100_NODE, DECLARED_LLAMA, V100_NODE, job, pool
 
@@ -53,6 +53,7 @@ def test_flex_fits_a_micro_batch_that_sdpa_does_not_at_the_same_knobs() -> None:
         "microBatchSize": knobs.micro_batch_size, "engine": knobs.engine, "masterWeights": knobs.master_weights,
         "offloadOptimizer": knobs.offload_optimizer, "offloadParameters": knobs.offload_parameters,
         "chunkedLoss": knobs.chunked_loss, "activationOffloading": knobs.activation_offloading,
+        "sequenceParallel": knobs.sequence_parallel, "tiledMlp": knobs.tiled_mlp,
     }  # fmt: skip
     same_knobs_sdpa = plan_job(typed_job(**pins, attention="sdpa"), [A100_NODE])
     assert same_knobs_sdpa.chosen is None
@@ -62,10 +63,10 @@ def test_flex_fits_a_micro_batch_that_sdpa_does_not_at_the_same_knobs() -> None:
     assert chosen.throughput.tokens_per_second > best_sdpa.throughput.tokens_per_second
 
 
-def test_flex_holds_less_for_typed_models_and_a_profile_keeps_its_traced_kernel() -> None:
-    assert flex_holds_less(DECLARED_LLAMA, 2048)
+def test_flex_holds_less_for_typed_models_and_a_profile_plans_flash_from_its_unmasked_terms() -> None:
+    assert holds_less(DECLARED_LLAMA, Attention.FLEX, 2048)
     chosen = plan_job(job("llama-3.1-8b", "full", batch=16, sequence=4096), [A100_NODE]).chosen
-    assert chosen is not None and chosen.strategy.attention == Attention.SDPA
+    assert chosen is not None and chosen.strategy.attention == Attention.FLASH
 
 
 @pytest.mark.parametrize("pools", [[V100_NODE], [CPU_POOL]], ids=["v100", "cpu"])

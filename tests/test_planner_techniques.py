@@ -47,6 +47,7 @@ BEFORE_THE_TECHNIQUES = [
 OLD_BEHAVIOUR = {
     "chunkedLoss": False, "activationOffloading": False, "masterWeights": "fp32", "engine": "deepspeed",
     "attention": "sdpa",  # typed sizes plan flex attention on Ampere now, where it holds less
+    "tiledMlp": False, "sequenceParallel": 1,
 }  # fmt: skip
 
 

@@ -79,6 +79,7 @@ def test_the_trainer_accepts_every_plan(scenario: str, tmp_path: Path, monkeypat
     """Each plan rendered as the operator renders it passes the trainer's config validation and preflight
     (on a machine whose accelerator has what the pool's GPUs have: that is the catalog's business)."""
     monkeypatch.setattr(preflight, "_precision_problem", lambda precision: None)
+    monkeypatch.setattr(preflight, "_has_flash_attention", lambda: True)  # the CUDA image builds flash-attn
     (tmp_path / "nvme").mkdir()
     monkeypatch.setattr(render_deepspeed, "NVME_PATH", str(tmp_path / "nvme"))  # the node's NVMe mount
     spec, pools = SCENARIOS[scenario]

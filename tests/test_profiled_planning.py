@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from memfit.api.finetunejob import FineTuneJobSpec
+from memfit.api.gpupool import pool_capacity
 from memfit.api.plan import PlanResult
 from memfit.api.vocabulary import Attention, Method, Precision
 from memfit.catalog.model_configs import stored_config_path, stored_profile, stored_profile_names
@@ -25,13 +26,16 @@ from memfit.catalog.models import model_preset
 from memfit.cli.main import main
 from memfit.memory.activations import ActivationSetup
 from memfit.memory.profiled_activations import model_activations
+from memfit.planner.attention import planned_attention
+from memfit.planner.longest import longest_sequence
 from memfit.planner.search import PlanningError, plan_job
 from memfit.profiled_model import ProfiledModel
-from tests.planning_fixtures import A100_NODE, ONE_A100, job
+from tests.planning_fixtures import A100_NODE, ONE_A100, job, pool
 from tests.stored_models import STORED_TOTALS
 
 ROOT = Path(__file__).resolve().parent.parent
 INVENTORY = ROOT / "examples" / "inventory.yaml"
+H100 = pool("h100", "NVIDIA-H100-80GB-HBM3", 1, 1, 2000)
 DONE_MEANS = [
     "qwen3-8b",
     "qwen3-30b-a3b",
@@ -213,7 +217,7 @@ def test_the_table_names_what_the_plan_was_computed_from(tmp_path: Path, capsys:
     ("spec", "message"),
     [
         ({"training": {"globalBatchSize": 16, "sequenceLength": 4096, "precision": "fp32"}}, "fp32"),
-        ({"strategy": {"attention": "flash"}}, "strategy.attention flash"),
+        ({"strategy": {"attention": "flex"}}, "traced its activations with sdpa attention"),
         ({"strategy": {"attention": "eager"}}, "traced its activations with sdpa attention"),
     ],
 )
@@ -243,6 +247,7 @@ def test_a_profiled_model_is_planned_with_its_layer_inputs_offloaded(
                 "gradientCheckpointing": True,
                 "activationOffloading": offloading,
                 "chunkedLoss": True,
+                "sequenceParallel": 1,
             },
         )
         mount = f"models={tmp_path / str(offloading) / 'models'}"
@@ -351,8 +356,10 @@ def test_gpt_oss_backward_holds_its_attention_scores_beyond_2048_tokens() -> Non
 @pytest.mark.parametrize("name", sorted(STORED_TOTALS))
 def test_every_stored_profile_traces_the_chunked_loss(name: str) -> None:
     """Every stored model's step ran with the trainer's chunked loss (its terms are in the profile), and
-    activation offloading composes from the checkpointed terms: no technique is left untraced."""
-    assert profiled(name).untraced_techniques == frozenset()
+    activation offloading composes from the checkpointed terms: no technique is left untraced but the tiled MLP
+    of a version-4 profile (traced from version 5 on)."""
+    model = profiled(name)
+    assert model.untraced_techniques == (frozenset({"tiled_mlp"}) if model.profile.version == 4 else frozenset())
 
 
 def test_the_chunked_loss_spares_a_large_vocabulary_its_logits() -> None:
@@ -399,3 +406,106 @@ def test_a_term_no_form_reproduces_is_read_off_its_traced_counts() -> None:
     setup = ActivationSetup(Method.FULL, Precision.BF16, True, 8, 32768, Attention.SDPA, chunked_loss=True)
     activations = model_activations(profiled("llama-3.1-8b"), setup)
     assert activations.loss_moment > activations.kept_between_layers * 32  # every layer's input, and more
+
+
+def _without_unmasked_terms(model: ProfiledModel) -> ProfiledModel:
+    """The model as a version-4 profile plans it: packed rows' terms only."""
+    activations = model.activations.model_copy(update={"unmasked": None, "tiled_mlp": None})
+    return ProfiledModel(model.profile.model_copy(update={"version": 4, "activations": activations}))
+
+
+def test_a_version_4_profile_still_loads_and_plans_only_its_traced_kernel() -> None:
+    old = _without_unmasked_terms(profiled("llama-3.1-8b"))
+    reread = ProfiledModel(type(old.profile).model_validate_json(old.profile.model_dump_json()))
+    assert reread.profile.version == 4 and reread.untraced_techniques == {"tiled_mlp"}
+    assert reread.basis.endswith("version 4: traced on packed rows only, no flash attention or tiled MLP")
+    assert "holds no terms traced without a mask" in (
+        reread.unplannable(Precision.BF16, Attention.FLASH, frozenset()) or ""
+    )
+    assert planned_attention(reread, pool_capacity(H100), 65536) == Attention.SDPA
+
+
+def test_flash_is_refused_where_the_unmasked_terms_are_not_flash_attentions() -> None:
+    """gpt-oss is traced on eager attention (its sinks), whose unmasked row still holds the scores."""
+    problem = profiled("gpt-oss-20b").unplannable(Precision.BF16, Attention.FLASH, frozenset())
+    assert problem is not None and "holds no terms traced without a mask on sdpa" in problem
+
+
+def test_llama_plans_flash_on_an_h100_and_reaches_past_its_packed_sdpa_terms() -> None:
+    """Traced on unmasked rows, Llama-3.1-8B plans flash attention on an H100 (no s² document mask): full
+    fine-tuning on one H100 then reaches longer sequences than the same profile without those terms, whose
+    SDPA mask binds (110,531 tokens when measured)."""
+    model = profiled("llama-3.1-8b")
+    assert model.plans_flash and model.unplannable(Precision.BF16, Attention.FLASH, frozenset()) is None
+    spec = job("llama-3.1-8b", "full", batch=1, resources={"pool": H100.metadata.name})
+    (flash,) = longest_sequence(spec, [H100], model=model)
+    (sdpa,) = longest_sequence(spec, [H100], model=_without_unmasked_terms(model))
+    assert sdpa.plan is not None and sdpa.plan.strategy.attention == Attention.SDPA
+    assert flash.plan is not None and flash.plan.strategy.attention == Attention.FLASH
+    assert sdpa.sequence_length is not None and flash.sequence_length is not None
+    assert flash.sequence_length > 2 * sdpa.sequence_length
+
+
+def test_flash_plans_the_unmasked_terms_and_sdpa_on_unmasked_batches_too() -> None:
+    model = profiled("llama-3.1-8b")
+    unmasked = model.activations.unmasked
+    assert unmasked is not None
+    layer = unmasked.full.layer("full_attention")
+    assert layer.saved.per_token_squared == 0 and layer.backward_peak.per_token_squared == 0
+    flash = model_activations(model, dataclasses.replace(_setup(Method.FULL, False), attention=Attention.FLASH))
+    unpadded = model_activations(model, dataclasses.replace(_setup(Method.FULL, False), masked_batches=False))
+    packed = model_activations(model, _setup(Method.FULL, False))
+    assert flash == unpadded and flash.saved_per_layer == layer.saved.bytes(4096)
+    assert flash.peak < packed.peak
+
+
+def test_sequence_parallelism_splits_the_per_token_terms_not_the_mask() -> None:
+    """Over P ranks a layer keeps its per-token bytes for ceil(s/P) tokens, the s² mask for the whole sequence,
+    and one more query-sized tensor of its tokens (Ulysses' gathered-layout output and o_proj's input)."""
+    model = profiled("llama-3.1-8b")
+    layer = model.activations.full.layer("full_attention").saved
+    tokens, ranks = 8191, 4
+    local = -(-tokens // ranks)
+    setup = dataclasses.replace(_setup(Method.FULL, False, tokens=tokens), sequence_parallel=ranks)
+    query = model.profile.num_attention_heads * model.profile.head_dim
+    expected = round(layer.per_token * local + layer.per_token_squared * tokens**2) + local * query * 2
+    assert model_activations(model, setup).saved_per_layer == expected
+    checkpointed = model_activations(model, dataclasses.replace(setup, gradient_checkpointing=True))
+    assert checkpointed.kept_between_layers == local * model.hidden_size * 2
+
+
+def test_tiled_mlps_spare_a_long_sequence_its_mlp_activations() -> None:
+    """With the trainer's tiled MLP (traced at whole tiles) a layer keeps no intermediate-size tensors, and its
+    backward holds one tile's: at 300K tokens on flash attention, a layer saves the MLP's 4·t·i bf16 values less,
+    and full fine-tuning's layer moment with checkpointing and offloading (where the recomputation saved them)
+    falls by more than 3·t·i (the backward's gradient of the layer's input, t·h, takes some back): under an
+    H100's memory, where untiled it is not."""
+    model = profiled("llama-3.1-8b")
+    assert "tiled_mlp" not in model.untraced_techniques
+    tokens, intermediate = 300_000, 14336
+    setup = dataclasses.replace(
+        _setup(Method.FULL, True, tokens=tokens),
+        attention=Attention.FLASH,
+        activation_offloading=True,
+        chunked_loss=True,
+    )
+    untiled = model_activations(model, setup)
+    tiled = model_activations(model, dataclasses.replace(setup, tiled_mlp=True))
+    plain = model_activations(model, dataclasses.replace(setup, gradient_checkpointing=False))
+    plain_tiled = model_activations(model, dataclasses.replace(setup, gradient_checkpointing=False, tiled_mlp=True))
+    assert plain.saved_per_layer - plain_tiled.saved_per_layer >= 4 * tokens * intermediate * 2
+    assert untiled.layer_moment - tiled.layer_moment >= 3 * tokens * intermediate * 2
+    assert tiled.peak < 72 * 2**30 < untiled.peak  # an H100's 80 GB less its headroom
+
+
+@pytest.mark.parametrize(("gpus", "longest"), [(1, 300_000), (8, 1_048_576)])
+def test_llama_full_fine_tuning_reaches_issue_23s_lengths_on_h100s(gpus: int, longest: int) -> None:
+    """Issue 23's figures, from the stored profile: Llama-3.1-8B full fine-tuning past 300K tokens on one H100
+    (flash attention and tiled MLPs) and past 1M on eight (the sequence split over them)."""
+    pools = [pool("h100", "NVIDIA-H100-80GB-HBM3", gpus, 1, 2000)]
+    spec = job("llama-3.1-8b", "full", batch=1, resources={"pool": "h100"})
+    (row,) = longest_sequence(spec, pools, model=profiled("llama-3.1-8b"))
+    assert row.sequence_length is not None and row.sequence_length >= longest and row.plan is not None
+    strategy = row.plan.strategy
+    assert strategy.attention == Attention.FLASH and strategy.tiled_mlp
+    assert strategy.sequence_parallel == gpus

@@ -59,7 +59,7 @@ def with_total(plan: PlanCandidate, total: int) -> PlanCandidate:
 
 def global_batch(plan: PlanCandidate) -> int:
     s = plan.strategy
-    return s.micro_batch_size * s.gradient_accumulation_steps * s.gpus
+    return s.micro_batch_size * s.gradient_accumulation_steps * s.gpus // s.sequence_parallel
 
 
 # ------------------------------------------------------------------------------------------------

@@ -2,14 +2,14 @@
 gives one at least as fast by its own estimate (tokens/s of the plan it chooses).
 
 Over a grid of jobs (full, LoRA, QLoRA) and pools (GPU count, host memory, NVMe), each pinned variant of a job
-(an engine, a ZeRO stage, offloads, recomputation, a technique, bf16 masters) is planned on the smallest GPU
-where it fits (found by bisection over the pool's GPU memory: below the unpinned job's boundary, a pinned plan
-there is a plan the search missed) and on the smallest GPU where the unpinned job fits. The method is pinned
-in both, so the method preference does not enter. Two allowances, both the planner's documented choices:
-bf16 master weights change the numerics and are chosen only where nothing fits with fp32 (a pinned plan with
-bf16 masters asks only that the unpinned job has some plan); a plan with memory-saving techniques must be
-MIN_TECHNIQUE_GAIN faster than the best of its method without them, so a pinned plan using one may be up to
-that much faster.
+(an engine, a ZeRO stage, offloads, recomputation, a technique, bf16 masters, a sequence-parallel degree) is
+planned on the smallest GPU where it fits (found by bisection over the pool's GPU memory: below the unpinned
+job's boundary, a pinned plan there is a plan the search missed) and on the smallest GPU where the unpinned
+job fits. The method is pinned in both, so the method preference does not enter. Two allowances, both the
+planner's documented choices: bf16 master weights change the numerics and are chosen only where nothing fits
+with fp32 (a pinned plan with bf16 masters asks only that the unpinned job has some plan); a plan with
+memory-saving techniques must be MIN_TECHNIQUE_GAIN faster than the best of its method without them, so a
+pinned plan using one may be up to that much faster.
 """
 
 from __future__ import annotations
@@ -66,6 +66,8 @@ PINS: tuple[dict[str, Any], ...] = (
     {"chunkedLoss": True},
     {"activationOffloading": True},
     {"masterWeights": "bf16"},
+    {"sequenceParallel": 2},
+    {"sequenceParallel": 2, "gradientCheckpointing": True},
 )
 
 

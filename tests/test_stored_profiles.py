@@ -3,9 +3,11 @@
 A change to the profiler, to transformers or peft, or to a stored config.json shows up here as a drift of the
 numbers every plan of those models reads. The profiler's code path is the model type's, so the suite checks
 the smallest stored config of each ``model_type``: its inventory (parameters, 4-bit tensors, LoRA targets,
-kernels) whole, and its traced activations for full fine-tuning with both losses; one model is profiled whole,
-every traced setup (the setups' code is shared by every model type, and tests/test_activation_profile.py traces
-each of them on every family). Profiling every stored config whole takes about half an hour on 2 cores.
+kernels) whole, and its traced activations for full fine-tuning with both losses, on packed rows and on unmasked
+ones (flash attention's terms); one model is profiled whole, every traced setup (the setups' code is shared by
+every model type, and tests/test_activation_profile.py traces each of them on every family). Profiling every
+stored config whole (twelve setups each since version 5) took about an hour on 2 shared cores: 20 to 60
+seconds for most models when the cores were free, 4 to 10 minutes each when they were loaded.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from memfit.catalog.model_configs import stored_config_names, stored_config_path, stored_profile  # noqa: E402
-from memfit_trainer.activation_profile import FULL, TracedModel  # noqa: E402
+from memfit_trainer.activation_profile import FULL, UNMASKED, TracedModel  # noqa: E402
 from memfit_trainer.profile import profile, read_config  # noqa: E402
 from tests.stored_models import STORED_TOTALS  # noqa: E402
 
@@ -47,7 +49,10 @@ def test_the_stored_inventory_and_full_fine_tuning_terms_are_what_the_profiler_m
     assert stored is not None and stored.activations is not None
     config = _config(name)
     assert profile(config) == stored.model_copy(update={"activations": None}), f"{name}: drifted; make profiles"
-    assert TracedModel.of(config).terms(FULL) == stored.activations.full, f"{name}: drifted; run make profiles"
+    traced = TracedModel.of(config)
+    assert traced.terms(FULL) == stored.activations.full, f"{name}: drifted; run make profiles"
+    assert stored.activations.unmasked is not None, f"{name}: a version-4 profile; run make profiles"
+    assert traced.terms(UNMASKED) == stored.activations.unmasked.full, f"{name}: drifted; run make profiles"
 
 
 @pytest.mark.slow

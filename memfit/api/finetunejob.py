@@ -71,8 +71,10 @@ MAX_LORA_RANK: Final = 4096
 MAX_GLOBAL_BATCH_SIZE: Final = 65_536
 """Sequences per optimizer step (the planner's work grows with the number of its divisors)."""
 MIN_SEQUENCE_LENGTH: Final = 8
-MAX_SEQUENCE_LENGTH: Final = 1_048_576
-"""Tokens per sequence."""
+MAX_SEQUENCE_LENGTH: Final = 4_194_304
+"""Tokens per sequence (the published long-context records split about 4M tokens over 8 GPUs)."""
+MAX_SEQUENCE_PARALLEL: Final = 64
+"""GPUs one sequence may be split over."""
 MAX_GPUS: Final = 640_000
 """GPUs of one job: the largest pool (10000 nodes of 64 GPUs)."""
 LORA_TARGET = r"^[A-Za-z0-9_.\-]+$"
@@ -401,6 +403,13 @@ class StrategySpec(ApiModel):
     final when it is made) and no clipping: a parameter's step cannot wait for the global norm of all
     gradients, so set training.maxGradNorm: 0 (torchtune makes the same choice). Unset: the planner uses it
     only where the job allows it and it fits a larger micro-batch, or makes the job fit at all."""
+    sequence_parallel: Annotated[int, Strict(), Field(ge=1, le=MAX_SEQUENCE_PARALLEL)] | None = None
+    """Split each sequence over this many GPUs (Ulysses sequence parallelism: each holds 1/n of the tokens;
+    two all-to-alls per attention layer). Unset: the planner raises it only where a longer sequence or a
+    larger micro-batch then fits."""
+    tiled_mlp: StrictBool | None = None
+    """Run each MLP tile by tile along the sequence, recomputed in backward, so its intermediate-sized
+    activations exist for one tile at a time (one more MLP forward per token)."""
 
 
 class FineTuneJobSpec(ApiModel):

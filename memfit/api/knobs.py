@@ -44,8 +44,24 @@ class Knobs:
     chunked_loss: bool | None = None
     activation_offloading: bool | None = None
     optimizer_in_backward: bool | None = None
+    sequence_parallel: int | None = None
+    """Ranks one sequence is split over (Ulysses attention); 1: none."""
+    tiled_mlp: bool | None = None
+    """Each dense MLP runs tile by tile along the sequence, recomputed in backward."""
     clips_gradients: bool | None = None
     """Not a strategy knob but the training setting two rules read (training.maxGradNorm > 0)."""
+    # Model facts: not knobs either, but what the sequence-parallel and tiled-MLP rules read (the search fills
+    # them from the planned model; None where unknown, and the rules that read them skip).
+    attention_heads: int | None = None
+    """Query heads of the full-attention layers: Ulysses gives each rank heads / sequenceParallel of them."""
+    kv_heads: int | None = None
+    """Key/value heads: split like the query heads, or replicated when fewer than the ranks."""
+    linear_attention: bool | None = None
+    """Some layers keep a recurrent state (Gated DeltaNet...) instead of attending over the whole sequence."""
+    windowed_attention: bool | None = None
+    """Some layers attend within a window (sliding or chunked), or the scores are soft-capped (Gemma 2)."""
+    dense_mlp: bool | None = None
+    """Some layer has a dense MLP (the tiled MLP tiles those; a mixture of experts' routed MLPs stay whole)."""
 
     @property
     def qlora_on_deepspeed(self) -> bool:
@@ -109,6 +125,19 @@ class _Fields(dict[str, object]):
 
 def _fsdp2(knobs: Knobs) -> bool:
     return knobs.engine == Engine.FSDP2
+
+
+def _splits_sequences(knobs: Knobs) -> bool:
+    return knobs.sequence_parallel is not None and knobs.sequence_parallel > 1
+
+
+def _heads_split_unevenly(knobs: Knobs) -> bool:
+    """Whether Ulysses cannot give each rank whole heads: the query heads must divide among the ranks, and the
+    key/value heads either divide among them or each serve a whole number of ranks (replicated)."""
+    sp, heads, kv = knobs.sequence_parallel, knobs.attention_heads, knobs.kv_heads
+    if sp is None or heads is None or kv is None:
+        return False
+    return heads % sp != 0 or (kv % sp != 0 and sp % kv != 0)
 
 
 def _deepspeed_keeps_masters(knobs: Knobs) -> bool:
@@ -233,6 +262,52 @@ RULES: tuple[Rule, ...] = (
         lambda k: bool(k.optimizer_in_backward) and bool(k.clips_gradients),
         "strategy.optimizerInBackward cannot clip gradients (a parameter's step cannot wait for the global norm of "
         "all of them): set training.maxGradNorm: 0",
+    ),
+    # Ulysses sequence parallelism: two all-to-alls per attention give each rank the whole sequence for a share
+    # of the heads (DeepSpeed's UlyssesSPAttentionHF, on either engine).
+    Rule(
+        lambda k: _splits_sequences(k) and k.attention == Attention.EAGER,
+        "strategy.sequenceParallel {sequence_parallel} needs sdpa or flash attention (DeepSpeed's Ulysses "
+        "attention refuses eager)",
+    ),
+    Rule(
+        lambda k: _splits_sequences(k) and k.attention == Attention.FLEX,
+        "strategy.sequenceParallel {sequence_parallel} cannot run flex attention (its mask is rebuilt causal-only "
+        "over the gathered sequence, so packed documents would attend across their boundaries); use sdpa or flash",
+    ),
+    Rule(
+        lambda k: _splits_sequences(k) and bool(k.optimizer_in_backward),
+        "strategy.optimizerInBackward cannot run with strategy.sequenceParallel {sequence_parallel} (its "
+        "per-parameter reduction averages over every rank, not over the data-parallel groups)",
+    ),
+    Rule(
+        lambda k: _splits_sequences(k) and k.method == Method.QLORA,
+        "strategy.sequenceParallel {sequence_parallel} is not supported with method qlora yet; use lora or full",
+    ),
+    Rule(
+        _heads_split_unevenly,
+        "strategy.sequenceParallel {sequence_parallel} must divide the model's {attention_heads} attention heads, "
+        "and divide or be a multiple of its {kv_heads} key/value heads (each rank attends with whole heads)",
+    ),
+    Rule(
+        lambda k: _splits_sequences(k) and bool(k.linear_attention),
+        "strategy.sequenceParallel {sequence_parallel} cannot split this model: its linear-attention layers "
+        "(Gated DeltaNet...) would each see only their rank's share of the sequence",
+    ),
+    Rule(
+        lambda k: (
+            _splits_sequences(k)
+            and bool(k.windowed_attention)
+            and k.attention is not None
+            and k.attention != Attention.FLASH
+        ),
+        "strategy.sequenceParallel {sequence_parallel} runs this model's windowed or soft-capped attention only "
+        "with flash attention (not {attention})",
+    ),
+    Rule(
+        lambda k: bool(k.tiled_mlp) and k.dense_mlp is False,
+        "strategy.tiledMlp tiles dense MLPs, and every layer of this model routes its tokens to experts (which "
+        "it leaves whole): leave strategy.tiledMlp out",
     ),
 )
 

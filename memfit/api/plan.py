@@ -80,10 +80,22 @@ class Strategy:
     """fsdp2 only: each parameter's optimizer step runs in the backward pass as soon as its sharded gradient
     is reduced, and the gradient is freed, so the full set of gradients never exists (accumulation 1, no
     gradient clipping)."""
+    sequence_parallel: PositiveInt = 1
+    """Ranks one sequence is split over (Ulysses sequence parallelism: each holds 1/n of its tokens and
+    attends over all of them through two all-to-alls per attention); 1: every rank holds whole sequences."""
+    tiled_mlp: bool = False
+    """Whether each MLP runs tile by tile along the sequence, recomputed in backward, so its
+    intermediate-sized activations exist for one tile at a time."""
 
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that train on different sequences (each sequence is split over ``sequence_parallel`` of the
+        GPUs): global batch = micro-batch x accumulation x data_parallel."""
+        return self.gpus // self.sequence_parallel
 
     def knobs(self) -> Knobs:
         """Its choices (every one decided), for the rule table."""
@@ -103,7 +115,8 @@ class Strategy:
         return ",".join(f"{field.name}={getattr(self, field.name)}" for field in fields(self))
 
     def summary(self) -> str:
-        """One line a person can read, e.g. `full zero2 ckpt mb2x4 bf16 adamw on 2x8 a100`."""
+        """One line a person can read, e.g. `full zero2 ckpt mb2x4 bf16 adamw on 2x8 a100` (``sp4``: each
+        sequence split over 4 GPUs)."""
         stage = f"zero{self.zero_stage}"
         parts: list[str] = [self.method, stage if self.engine == Engine.DEEPSPEED else f"fsdp2-{stage}"]
         if self.offload_optimizer != Offload.NONE:
@@ -112,6 +125,8 @@ class Strategy:
             parts.append(f"params->{self.offload_parameters}")
         if self.gradient_checkpointing:
             parts.append("ckpt")
+        if self.sequence_parallel > 1:
+            parts.append(f"sp{self.sequence_parallel}")
         parts += [technique.token for technique in TECHNIQUES if getattr(self, technique.knob)]
         if self.master_weights == MasterWeights.BF16:
             parts.append("bf16-masters")

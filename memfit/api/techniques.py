@@ -21,6 +21,9 @@ class Technique:
     """In ``Strategy.summary()``."""
     cost: int
     """Rank of its speed cost (0: none): the search tries cheaper combinations first."""
+    may_hold_more: bool = False
+    """Whether it can hold more memory than without it on some jobs (its own buffers outweigh what it saves):
+    the search then does not bound what the techniques can fit by all of them together."""
 
 
 CHUNKED_LOSS = Technique("chunked_loss", "chunked loss", "chunked-ce", cost=1)
@@ -30,5 +33,10 @@ ACTIVATION_OFFLOADING = Technique("activation_offloading", "activation offloadin
 OPTIMIZER_IN_BACKWARD = Technique("optimizer_in_backward", "optimizer step in backward", "opt-in-bwd", cost=0)
 """Each parameter steps as its gradient is reduced (the same work moved into the backward pass)."""
 
-TECHNIQUES: tuple[Technique, ...] = (CHUNKED_LOSS, ACTIVATION_OFFLOADING, OPTIMIZER_IN_BACKWARD)
+TILED_MLP = Technique("tiled_mlp", "tiled MLP", "tiled-mlp", cost=2, may_hold_more=True)
+"""Each dense MLP runs tile by tile along the sequence, recomputed in backward (one more MLP forward per token):
+its intermediate-sized activations exist for one tile at a time, at the price of a whole-sequence input gradient
+and a tile's buffers (more than it saves on short sequences)."""
+
+TECHNIQUES: tuple[Technique, ...] = (CHUNKED_LOSS, ACTIVATION_OFFLOADING, OPTIMIZER_IN_BACKWARD, TILED_MLP)
 """In the order a summary and a description name them."""

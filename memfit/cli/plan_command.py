@@ -124,6 +124,8 @@ def _run_longest(
             {
                 "pool": row.pool,
                 "sequenceLength": row.sequence_length,
+                "apiMaximum": row.api_maximum,
+                "sequenceParallel": row.sequence_parallel,
                 "plan": row.plan.model_dump(by_alias=True, mode="json") if row.plan else None,
             }
             for row in rows

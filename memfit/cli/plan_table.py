@@ -16,6 +16,7 @@ from rich.text import Text
 
 from memfit.api.finetunejob import MIN_SEQUENCE_LENGTH, FineTuneJob
 from memfit.api.plan import PerGPUMemory, PhaseMemory, PlanCandidate, PlanResult
+from memfit.api.techniques import TECHNIQUES
 from memfit.api.vocabulary import Offload, StepPhase
 from memfit.planner.longest import LongestSequence
 from memfit.planner.report import speed_ratio
@@ -61,7 +62,9 @@ def why_lost(candidate: PlanCandidate, chosen: PlanCandidate) -> str:
         differences.append(f"weights on {a.offload_parameters}")
     if a.gradient_checkpointing and not b.gradient_checkpointing:
         differences.append("recomputes activations")
-    if a.micro_batch_size < b.micro_batch_size:
+    if a.sequence_parallel > b.sequence_parallel:
+        differences.append(f"each sequence split over {a.sequence_parallel} GPUs (all-to-alls)")
+    if a.micro_batch_size * b.sequence_parallel < b.micro_batch_size * a.sequence_parallel:  # per GPU
         differences.append(f"micro-batch {a.micro_batch_size}")
     detail = ", ".join(differences) or "more communication"
     bought = f"; {candidate.techniques}" if candidate.techniques else ""
@@ -192,17 +195,29 @@ def print_longest_table(job: FineTuneJob, rows: list[LongestSequence], console: 
     _print_heading(console, job, f", method {spec.method.value}, {spec.training.global_batch_size} sequences per "
                                  "step: the longest sequenceLength that fits each pool (estimates)")  # fmt: skip
     table = Table(title_justify="left")
-    for column in ("pool", "longest sequenceLength", "GiB/GPU", "tokens/s (est.)", "strategy", "techniques"):
+    columns = ("pool", "longest sequenceLength", "GiB/GPU", "tokens/s (est.)", "sequence split over", "strategy",
+               "techniques")  # fmt: skip
+    for column in columns:
         table.add_column(column, justify="right" if column in ("longest sequenceLength", "GiB/GPU") else "left")
     for row in rows:
         if row.plan is None or row.sequence_length is None:
-            table.add_row(literal(row.pool), "none", "", "", literal(f"nothing fits even at {MIN_SEQUENCE_LENGTH}"), "")
+            table.add_row(literal(row.pool), "none", "", "", "", literal(f"nothing fits even at {MIN_SEQUENCE_LENGTH}"),
+                          "")  # fmt: skip
             continue
         plan = row.plan
-        table.add_row(literal(row.pool), f"{row.sequence_length:,}", _gib(plan.memory.per_gpu.total),
-                      f"{plan.throughput.tokens_per_second:,.0f}", literal(plan.strategy.summary()),
-                      literal(plan.techniques or ""))  # fmt: skip
+        length = f"{row.sequence_length:,}" + (" (the API maximum)" if row.api_maximum else "")
+        split = f"{row.sequence_parallel} GPUs" if row.sequence_parallel > 1 else "1 GPU (not split)"
+        table.add_row(literal(row.pool), length, _gib(plan.memory.per_gpu.total),
+                      f"{plan.throughput.tokens_per_second:,.0f}", split, literal(plan.strategy.summary()),
+                      literal(_techniques_used(plan)))  # fmt: skip
     console.print(table)
+
+
+def _techniques_used(plan: PlanCandidate) -> str:
+    """The memory-saving techniques the plan runs, with what they bought where the planner says so."""
+    strategy = plan.strategy
+    used = ", ".join(technique.name for technique in TECHNIQUES if getattr(strategy, technique.knob))
+    return plan.techniques or used
 
 
 def _print_rejected(result: PlanResult, console: Console, limit: int = 3) -> None:

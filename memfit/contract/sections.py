@@ -30,6 +30,8 @@ from memfit.model_shape import ModelShape
 MAX_SEQUENCE_LENGTH: Final = 4 * 1024 * 1024
 MAX_BATCH: Final = 1024 * 1024
 """Micro-batch size and gradient accumulation steps."""
+MAX_SEQUENCE_PARALLEL: Final = 64
+"""Ranks one sequence may be split over (a node or a few: the all-to-alls cross them every layer)."""
 MAX_GLOBAL_BATCH: Final = 16 * 1024 * 1024
 MAX_STEPS: Final = 1_000_000_000
 """Epochs, optimizer steps, checkpoint interval."""
@@ -214,6 +216,10 @@ class TrainingConfig(ApiModel):
     """Checkpointed layers' saved inputs wait in pinned host memory (memfit_trainer.activation_offload)."""
     master_weights: MasterWeights = MasterWeights.FP32
     """bf16: pure bf16 weights, gradients and optimizer states (no fp32 master copy)."""
+    sequence_parallel: Annotated[int, Strict(), Field(ge=1, le=MAX_SEQUENCE_PARALLEL)] = 1
+    """Ranks one sequence is split over (memfit_trainer.sequence_parallel); 1: none."""
+    tiled_mlp: Annotated[bool, Strict()] = False
+    """Each MLP runs tile by tile along the sequence, recomputed in backward (memfit_trainer.tiled_mlp)."""
     seed: Annotated[int, Strict(), Field(ge=0, le=MAX_SEED)] = 42
     checkpoint_every_steps: Annotated[int, Strict(), Field(ge=1, le=MAX_STEPS)] = 500
     keep_checkpoints: Annotated[int, Strict(), Field(ge=1, le=MAX_KEEP_CHECKPOINTS)] = 2

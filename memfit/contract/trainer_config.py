@@ -34,6 +34,7 @@ from memfit.contract.sections import (
     TrainingConfig,
     VolumesConfig,
 )
+from memfit.model_facts import model_facts
 
 CONFIG_VERSION: Final = 1
 JOB_NAME = r"^[^/\s]+/[^/\s]+$"
@@ -163,14 +164,17 @@ class TrainerConfig(ApiModel):
             offload_parameters=engine.offload_parameters,
             optimizer_in_backward=engine.optimizer_in_backward,
             clips_gradients=self.training.max_grad_norm > 0,
+            # The model's facts where the config types its sizes (a profiled model's are the planner's to check).
+            **(model_facts(self.model.architecture) if self.model.architecture is not None else {}),
         )
 
     @property
     def world_size(self) -> int:
-        """Ranks the plan was made for (global batch = micro-batch x accumulation x ranks)."""
-        return self.training.global_batch_size // (
-            self.training.micro_batch_size * self.training.gradient_accumulation_steps
-        )
+        """Ranks the plan was made for (global batch = micro-batch x accumulation x data-parallel ranks, and
+        each data-parallel rank is a group of ``sequence_parallel`` ranks sharing its sequences)."""
+        training = self.training
+        data_parallel = training.global_batch_size // (training.micro_batch_size * training.gradient_accumulation_steps)
+        return data_parallel * training.sequence_parallel
 
     @property
     def layout(self) -> CheckpointLayout:

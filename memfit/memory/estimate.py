@@ -75,6 +75,8 @@ def activation_setup(
         strategy.chunked_loss,
         strategy.activation_offloading,
         True,  # masked_batches: packed batches, or with `packing: false` the worst case: one with padding
+        strategy.sequence_parallel,  # sequence_length stays the whole sequence; each rank holds 1/n of it
+        strategy.tiled_mlp,
     )
 
 

@@ -16,14 +16,25 @@ backward and the most its own backward adds, traced on one packed 16-bit row for
   one's input), and its backward peak holds its recomputation;
 * with activation offloading on top, the layers' inputs (``hidden_size`` values per token each) leave the GPU
   and come back on the trainer's schedule, the one the family formulas count
-  (:func:`memfit.memory.activations.offloaded_inputs`): the rest of what each layer saved stays.
+  (:func:`memfit.memory.activations.offloaded_inputs`): the rest of what each layer saved stays;
+* without a mask (flash attention, or SDPA on batches that need none) the terms traced on an unmasked row;
+  a version-4 profile has none and plans only its traced kernel on packed rows;
+* with tiled MLPs, each layer's terms change by what tiling changed on the unmasked rows (the mask's bytes and
+  the MLP's are apart: a packed row's layer changes as much);
+* with sequence parallelism over ``P`` ranks (Ulysses), every per-token part of a term holds the rank's
+  ``ceil(s/P)`` tokens of each row, every part in ``s²`` (the masks) the whole sequence's, and each attention
+  layer keeps one more query-sized tensor of the rank's tokens (the kernel's output in the gathered layout and
+  ``o_proj``'s re-partitioned input, ``t·q·w``, trace-confirmed in ``docs/design/sequence-parallel.md`` §0.5):
+  saved by the layer, or under checkpointing held by its recomputation.
 
 QLoRA is planned with the LoRA terms: bitsandbytes' dequantized weight of the matmul in flight is not traced.
 """
 
 from __future__ import annotations
 
-from memfit.api.vocabulary import Method
+from dataclasses import dataclass
+
+from memfit.api.vocabulary import Attention, Method
 from memfit.memory.activations import (
     ActivationEstimate,
     ActivationSetup,
@@ -35,46 +46,104 @@ from memfit.memory.activations import (
 from memfit.memory.sizes import BF16
 from memfit.model_shape import ModelShape
 from memfit.planned_model import PlannedModel
-from memfit.profile import ActivationTerm, ActivationTerms
-from memfit.profiled_model import ProfiledModel
+from memfit.profile import ActivationTerm, ActivationTerms, LayerActivations
+from memfit.profiled_model import LINEAR_ATTENTION, ProfiledModel
 
 
-def _rows(term: ActivationTerm, tokens: int, rows: int) -> int:
-    """The term for ``rows`` rows of ``tokens`` tokens (traced on one row). A term no form reproduces is read
-    at the micro-batch's tokens together: the only ones the traces leave so are the loss's, which flattens the
-    micro-batch (for a term of one row's attention this over-counts, never under)."""
+@dataclass(frozen=True)
+class Tiling:
+    """What tiled MLPs change in a layer: its terms on unmasked rows with them and without them."""
+
+    tiled: ActivationTerms
+    untiled: ActivationTerms
+
+    def change(self, kind: str, setup: ActivationSetup) -> tuple[int, int]:
+        """Bytes tiling adds to (saved, backward peak) of a layer of this type (negative: it spares them)."""
+        tiled, untiled = self.tiled.layer(kind), self.untiled.layer(kind)
+        return (
+            _rows(tiled.saved, setup) - _rows(untiled.saved, setup),
+            _rows(tiled.backward_peak, setup) - _rows(untiled.backward_peak, setup),
+        )
+
+
+def local_tokens(setup: ActivationSetup) -> int:
+    """Tokens of one row a rank holds: the whole sequence, or its share of it under sequence parallelism."""
+    return -(-setup.sequence_length // setup.sequence_parallel)
+
+
+def _rows(term: ActivationTerm, setup: ActivationSetup) -> int:
+    """The term for the micro-batch's rows (traced on one row) on one rank.
+
+    A term no form reproduces is read at the rank's tokens of the micro-batch together: the only ones the traces
+    leave so are the loss's, which flattens the micro-batch (for a term of one row's attention this over-counts,
+    never under). Under sequence parallelism a solved form's per-token part counts the rank's tokens and its
+    quadratic part the whole sequence; where the rank's tokens are below where the form holds, the whole sequence
+    is counted (never under)."""
+    rows, sequence, local = setup.micro_batch_size, setup.sequence_length, local_tokens(setup)
     if not term.exact:
-        return term.bytes(rows * tokens)
+        return term.bytes(rows * local)
     constant = round(term.constant)
-    return rows * (term.bytes(tokens) - constant) + constant
+    if local == sequence or local < term.valid_from:
+        return rows * (term.bytes(sequence) - constant) + constant
+    quadratic = sequence * min(sequence, term.window or sequence)
+    return rows * round(term.per_token * local + term.per_token_squared * quadratic) + constant
 
 
 def profiled_activations(model: ProfiledModel, setup: ActivationSetup) -> ActivationEstimate:
     activations = model.activations
-    terms: ActivationTerms | None
-    if setup.method == Method.FULL:
-        terms = activations.full_checkpointed if setup.gradient_checkpointing else activations.full
-    else:
-        terms = activations.lora_checkpointed if setup.gradient_checkpointing else activations.lora
+    lora, checkpointed = setup.method != Method.FULL, setup.gradient_checkpointing
+    unmasked = activations.unmasked if setup.attention == Attention.FLASH or not setup.masked_batches else None
+    terms = activations.terms(lora, checkpointed, unmasked)
     assert terms is not None  # the planner plans no LoRA where the profile says it cannot train
-    return composed(terms, model.profile.layer_types, model.hidden_size, setup)
+    tiling = None
+    if setup.tiled_mlp:
+        # The planner plans no tiled MLP where it was not traced (ProfiledModel.untraced_techniques).
+        assert activations.tiled_mlp is not None and activations.unmasked is not None
+        tiled = activations.terms(lora, checkpointed, activations.tiled_mlp)
+        untiled = activations.terms(lora, checkpointed, activations.unmasked)
+        assert tiled is not None and untiled is not None
+        tiling = Tiling(tiled, untiled)
+    profile = model.profile
+    query_width = profile.num_attention_heads * profile.head_dim
+    return composed(terms, profile.layer_types, model.hidden_size, query_width, setup, tiling)
+
+
+def _layer(terms: LayerActivations, setup: ActivationSetup, query_width: int, tiling: Tiling | None) -> tuple[int, int]:
+    """(saved, backward peak) of one layer of this type on one rank (module docstring)."""
+    saved, peak = _rows(terms.saved, setup), _rows(terms.backward_peak, setup)
+    if tiling is not None:
+        saved_change, peak_change = tiling.change(terms.layer_type, setup)
+        saved, peak = saved + saved_change, peak + peak_change
+    if setup.sequence_parallel > 1 and terms.layer_type != LINEAR_ATTENTION:
+        gathered = setup.micro_batch_size * local_tokens(setup) * query_width * BF16
+        if setup.gradient_checkpointing:
+            peak += gathered
+        else:
+            saved += gathered
+    return saved, peak
 
 
 def composed(
-    terms: ActivationTerms, kinds: tuple[str, ...], hidden_size: int, setup: ActivationSetup
+    terms: ActivationTerms,
+    kinds: tuple[str, ...],
+    hidden_size: int,
+    query_width: int,
+    setup: ActivationSetup,
+    tiling: Tiling | None = None,
 ) -> ActivationEstimate:
-    """The moments of one micro-batch through decoder layers of these types (module docstring)."""
-    rows, tokens = setup.micro_batch_size, setup.sequence_length
+    """The moments of one micro-batch through decoder layers of these types on one rank (module docstring);
+    ``query_width`` is the attention layers' heads x head dim."""
     distinct = dict.fromkeys(kinds)
-    saved = {kind: _rows(terms.layer(kind).saved, tokens, rows) for kind in distinct}
-    peak = {kind: _rows(terms.layer(kind).backward_peak, tokens, rows) for kind in distinct}
-    between = rows * tokens * hidden_size * BF16
+    layers = {kind: _layer(terms.layer(kind), setup, query_width, tiling) for kind in distinct}
+    saved = {kind: layers[kind][0] for kind in distinct}
+    peak = {kind: layers[kind][1] for kind in distinct}
+    between = setup.micro_batch_size * local_tokens(setup) * hidden_size * BF16
     offloading = setup.gradient_checkpointing and setup.activation_offloading
     moved = offloaded_layers(setup, len(kinds)) if offloading else 0
     kept = sum(saved[kind] for kind in kinds) - moved * between
     outside = terms.outside_terms(setup.chunked_loss)
-    loss_moment = kept + _rows(outside.outside_layers, tokens, rows) + _rows(outside.loss_backward, tokens, rows)
-    during = _rows(outside.outside_backward, tokens, rows)
+    loss_moment = kept + _rows(outside.outside_layers, setup) + _rows(outside.loss_backward, setup)
+    during = _rows(outside.outside_backward, setup)
     back = offloaded_inputs(setup, len(kinds), between)[1:] if offloading else (0, 0)
     layer_moment = kept + during + max(peak.values()) + sum(back)
     if not offloading:

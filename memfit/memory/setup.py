@@ -34,6 +34,8 @@ class StaticSetup:
     optimizer_in_backward: bool
     chunked_loss: bool
     """Read by the fsdp2 engine's forward-loss moment (:class:`memfit.memory.engines.fsdp2.Fsdp2Step`)."""
+    tiled_mlp: bool
+    """Read by the deepspeed engine's gradient timeline: a tiled MLP makes its weights' gradients early."""
 
     @property
     def gpus(self) -> int:
@@ -55,6 +57,7 @@ class StaticSetup:
             s.optimizer,
             s.optimizer_in_backward,
             s.chunked_loss,
+            s.tiled_mlp,
         )
 
 

@@ -99,7 +99,12 @@ def _capacity(pools: Sequence[GPUPool], name: str) -> PoolCapacity:
 
 def max_gpus_for(spec: FineTuneJobSpec, capacity: PoolCapacity) -> int:
     """The most GPUs of ``capacity`` this job can use (memfit.planner.layouts)."""
-    counts = [n * g for n, g in layouts(capacity, spec.resources.max_gpus, spec.training.global_batch_size)]
+    counts = [
+        n * g
+        for n, g in layouts(
+            capacity, spec.resources.max_gpus, spec.training.global_batch_size, spec.strategy.sequence_parallel
+        )
+    ]
     return max(counts, default=0)
 
 

@@ -1,10 +1,11 @@
 """Which attention kernel a plan runs on a pool: a pinned one where the pool's GPUs run it; else the model's own,
-or flex attention where the pool runs it and it holds less memory.
+or flex or flash attention where the pool runs it, the model can be planned with it and it holds less memory.
 
 The throughput model charges every kernel alike (the attention FLOPs are the same), so between two kernels
 that both run, the one that needs less memory is planned: on packed batches (and padded ones, the plan's worst
 case for ``packing: false``) flex attention's block mask replaces SDPA's dense ``(b, 1, s, s)`` mask, its 16-bit
-copy in every layer and the keys and values repeated to every query head.
+copy in every layer and the keys and values repeated to every query head; flash attention (planned for a
+profiled model from its unmasked terms) holds no mask at all.
 """
 
 from __future__ import annotations
@@ -32,29 +33,34 @@ def runs_attention(attention: Attention | None, capacity: PoolCapacity) -> bool:
     return attention not in KERNEL_NEEDS or (capacity.bf16 and not capacity.cpu_only)
 
 
+ALTERNATIVES: Final = (Attention.FLEX, Attention.FLASH)
+"""Kernels planned in place of SDPA where the pool runs them, the model can be planned with them and they hold
+less, the first such one: a model typed by its sizes gets flex (flash only where flex holds no less), a
+profiled one flash (its profile plans only its traced kernel, and flash from its unmasked terms)."""
+
+
 def planned_attention(model: PlannedModel, capacity: PoolCapacity, sequence_length: int) -> Attention:
-    """The kernel planned on the pool when the job pins none: flex attention where the pool runs it, the model
-    can be planned with it (a profile only with the kernel it was traced with) and it holds less than the
-    model's SDPA; else the model's own kernel."""
+    """The kernel planned on the pool when the job pins none: the first of :data:`ALTERNATIVES` the pool runs,
+    the model can be planned with and that holds less than the model's SDPA; else the model's own kernel."""
     default = model.default_attention
-    if default != Attention.SDPA or not runs_attention(Attention.FLEX, capacity):
+    if default != Attention.SDPA:
         return default
-    # Whether the description plans flex at all (precision aside: bf16, which every description plans).
-    if model.unplannable(Precision.BF16, Attention.FLEX, frozenset()) is not None:
-        return default
-    return Attention.FLEX if flex_holds_less(model, sequence_length) else default
+    for kernel in ALTERNATIVES:
+        # Whether the description plans the kernel at all (precision aside: bf16, which every description plans).
+        plannable = model.unplannable(Precision.BF16, kernel, frozenset()) is None
+        if runs_attention(kernel, capacity) and plannable and holds_less(model, kernel, sequence_length):
+            return kernel
+    return default
 
 
-@functools.lru_cache(maxsize=256)  # per model and sequence length: a few per job
-def flex_holds_less(model: PlannedModel, sequence_length: int) -> bool:
-    """Whether flex attention's activations stay below SDPA's on a packed row of ``sequence_length``, with and
-    without checkpointing. The terms in which they differ (masks, the per-layer mask copies, repeated keys and
-    values, flex's maximum scores) are each per row, so one row decides for every micro-batch."""
+@functools.lru_cache(maxsize=256)  # per model, kernel and sequence length: a few per job
+def holds_less(model: PlannedModel, kernel: Attention, sequence_length: int) -> bool:
+    """Whether the kernel's activations stay below SDPA's on a packed row of ``sequence_length``, with and without
+    checkpointing. The terms in which they differ (masks, the per-layer mask copies, repeated keys and values,
+    flex's maximum scores) are each per row, so one row decides for every micro-batch."""
 
     def peak(attention: Attention, checkpointing: bool) -> int:
         setup = ActivationSetup(Method.FULL, Precision.BF16, checkpointing, 1, sequence_length, attention)
         return model_activations(model, setup).peak
 
-    return all(
-        peak(Attention.FLEX, checkpointing) < peak(Attention.SDPA, checkpointing) for checkpointing in (False, True)
-    )
+    return all(peak(kernel, checkpointing) < peak(Attention.SDPA, checkpointing) for checkpointing in (False, True))

@@ -1,9 +1,11 @@
 """The longest ``sequenceLength`` a job fits on each pool, and the plan that reaches it.
 
 Unsloth publishes such tables for a few GPUs, measured by hand; this computes them for the user's own
-pools from the same memory model the planner uses. Memory grows with the sequence length under every
-strategy (activations are linear in it, eager attention's scores quadratic), so a bisection finds the
-boundary exactly.
+pools from the same memory model the planner uses, with everything the planner may choose for long
+sequences: splitting each over several GPUs (Ulysses sequence parallelism), the tiled MLP, the chunked loss,
+activation offloading. Memory grows with the sequence length under every strategy (activations are linear in
+each GPU's share of it, padded to whole shares, eager attention's scores and SDPA's mask quadratic), so a
+bisection finds the boundary exactly.
 """
 
 from __future__ import annotations
@@ -25,6 +27,16 @@ class LongestSequence:
     """The longest that fits (None: not even the shortest, MIN_SEQUENCE_LENGTH, does)."""
     plan: PlanCandidate | None
     """The plan at that length."""
+
+    @property
+    def api_maximum(self) -> bool:
+        """Whether the length is the longest the API accepts (MAX_SEQUENCE_LENGTH): the job may fit longer ones."""
+        return self.sequence_length == MAX_SEQUENCE_LENGTH
+
+    @property
+    def sequence_parallel(self) -> int:
+        """GPUs each sequence of the plan is split over (1: none, or no plan)."""
+        return self.plan.strategy.sequence_parallel if self.plan is not None else 1
 
 
 def with_sequence_length(spec: FineTuneJobSpec, sequence_length: int, pool: str) -> FineTuneJobSpec:

@@ -1,8 +1,9 @@
 """The planner's search: every way to run a job on every pool, evaluated for memory and speed.
 
 Order (:func:`plan_job`): every method the spec allows (all three for ``auto``), on every pool, over the pool's
-layouts (nodes x GPUs per node that divide the batch) with the most GPUs first, then each precision and
-engine, ZeRO stage and offload (:func:`_zero_options`: the combinations the rule table allows, without
+layouts (nodes x GPUs per node whose data-parallel ranks divide the batch) with the most GPUs first, then each
+precision and engine, sequence-parallel degree (:func:`_splits`: whole sequences per GPU, then each split over
+2, 4... GPUs), ZeRO stage and offload (:func:`_zero_options`: the combinations the rule table allows, without
 duplicates, lightest first: :func:`_stage_order`), with and without recomputation. For each such knob
 combination the largest micro-batch that fits is found (:func:`_largest_fitting_micro_batch`: the
 no-accumulation micro-batch, then the smallest, then a bisection between them), plain first, then with the
@@ -14,13 +15,15 @@ Pruning, none of which can drop a plan the report would show (``tests/test_searc
 that no pinned plan is faster than the unpinned search's):
 
 * what another option dominates (:func:`_to_beat`): NVMe offload where the host holds CPU offload's states;
-  recomputation, offload or a higher ZeRO stage at micro-batches an as-fast option fits without techniques
-  (one that needs a technique to fit them pays for it, and may be slower), and so anywhere it fits the largest;
+  recomputation, offload, a higher ZeRO stage or sequence-parallel degree at shares of a sequence per GPU an
+  as-fast option fits without techniques (one that needs a technique to fit them pays for it, and may be
+  slower), and so anywhere it fits the largest; a higher degree where a lower one's model states overflow or
+  its best case was outpaced, and at shares a lower degree can take (:func:`_splits`);
 * knob combinations whose best case (largest micro-batch, no accumulation) is slower than MAX_CANDIDATES
   plans of the method already found (:meth:`_Search.outpaced`);
 * techniques where the model states alone overflow (they shrink activations and gradients only), where even
-  all of them together fit no larger micro-batch, and any variant that adds a technique to one that already
-  fits the largest micro-batch (a technique only costs);
+  all of them together fit no larger micro-batch, and any variant that adds a technique to one at micro-batches
+  that one already fits (a technique only costs);
 * below a group's nearest miss, only the nearest miss of each pool x layout x method is kept.
 
 The report (ranking, the techniques worth their cost, why the first won) is :mod:`memfit.planner.report`;
@@ -34,6 +37,7 @@ import itertools
 import time
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 from memfit.api.finetunejob import FineTuneJobSpec
@@ -43,6 +47,7 @@ from memfit.api.knobs import conflicts as knob_conflicts
 from memfit.api.plan import PlanCandidate, PlanResult, Strategy
 from memfit.api.techniques import TECHNIQUES
 from memfit.api.vocabulary import (
+    Attention,
     Engine,
     MasterWeights,
     Method,
@@ -55,11 +60,12 @@ from memfit.memory.activations import ActivationEstimate, ActivationSetup
 from memfit.memory.estimate import StaticMemory, activation_setup, static_memory, step_total
 from memfit.memory.profiled_activations import model_activations
 from memfit.memory.setup import LoraSettings, StaticSetup
+from memfit.model_facts import model_facts
 from memfit.planned_model import PlannedModel, lora_dropout
 from memfit.planner.advice import Untried, advise
 from memfit.planner.attention import KERNEL_NEEDS, planned_attention, runs_attention
 from memfit.planner.evaluated import Chosen, Evaluated, Fit, shortfall_ratio
-from memfit.planner.layouts import layouts
+from memfit.planner.layouts import batch_degrees, layouts
 from memfit.planner.report import (
     MAX_CANDIDATES,
     MAX_REJECTED,
@@ -71,7 +77,7 @@ from memfit.planner.report import (
     to_miss,
     why_chosen,
 )
-from memfit.planner.throughput import step_seconds
+from memfit.planner.throughput import step_seconds, tokens_per_step
 
 
 class PlanningError(ValueError):
@@ -80,8 +86,9 @@ class PlanningError(ValueError):
 
 Variant = tuple[bool, ...]
 """Whether each of TECHNIQUES is on, in their order."""
-_KnobKey = tuple[int, Offload, Offload, bool]
-"""ZeRO stage, optimizer offload, parameter offload, recomputation: what :func:`_to_beat` compares."""
+_KnobKey = tuple[int, Offload, Offload, bool, int]
+"""ZeRO stage, optimizer offload, parameter offload, recomputation, sequence-parallel degree: what
+:func:`_to_beat` compares."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +100,15 @@ class _Largest:
     any: int | None
     host_short: bool
     """Its model states overflow the host (only there can NVMe offload fit what CPU offload does not)."""
+    states_short: bool = False
+    """Its model states alone overflow the GPU or the host: so they do at any sequence-parallel degree, which
+    splits activations only."""
+    outpaced: bool = False
+    """Not evaluated: its best case is slower than the plans already found (:meth:`_Search.outpaced`), and so is
+    a higher degree's (finer shares of a sequence per GPU, and all-to-alls)."""
+
+
+_OUTPACED = _Largest(plain=None, any=None, host_short=False, outpaced=True)
 
 
 def _with_techniques(template: Strategy, variant: Variant) -> Strategy:
@@ -117,21 +133,30 @@ class _Search:
     options: dict[
         tuple[PlannedMethod, PlannedPrecision, bool, bool, Engine], tuple[tuple[int, Offload, Offload], ...]
     ] = field(default_factory=dict)
-    variants: dict[tuple[int, bool, Engine, PlannedPrecision], list[Variant]] = field(default_factory=dict)
+    variants: dict[tuple[int, bool, Engine, PlannedPrecision, int], list[Variant]] = field(default_factory=dict)
     fastest: dict[str, list[float]] = field(default_factory=dict)
     """Per method, a min-heap of the MAX_CANDIDATES best speeds of plans without techniques found so far:
     knobs whose best case is slower than all of them cannot be reported, and are not evaluated."""
     untried: set[Untried] = field(default_factory=set)
     """Parts of the search where no candidate could be evaluated at all, and why (for the advice)."""
+    split_kernels: dict[tuple[PlannedMethod, Attention, int, bool], Attention | None] = field(default_factory=dict)
+    """:func:`_split_attention` per method, planned kernel, degree and whether the pool runs flash."""
 
     @property
     def sequence_length(self) -> int:
         return self.spec.training.sequence_length
 
     @property
+    def facts(self) -> dict[str, Any]:
+        """The model facts the rules read (``Knobs``: heads, linear or windowed attention, dense MLPs)."""
+        return model_facts(self.shape)
+
+    @cached_property
     def pinned(self) -> Knobs:
-        """What the spec decides, with this pass's master weights (accumulation is the search's to choose)."""
-        return replace(self.spec.knobs(), master_weights=self.master_weights, gradient_accumulation_steps=None)
+        """What the spec decides, with this pass's master weights (accumulation is the search's to choose) and
+        the model's facts."""
+        spec_knobs = replace(self.spec.knobs(), master_weights=self.master_weights, gradient_accumulation_steps=None)
+        return replace(spec_knobs, **self.facts)
 
     def zero_options(
         self, method: PlannedMethod, precision: PlannedPrecision, capacity: PoolCapacity, gpus: int, engine: Engine
@@ -144,10 +169,10 @@ class _Search:
         return options
 
     def technique_variants(
-        self, zero_stage: int, checkpointing: bool, engine: Engine, precision: PlannedPrecision
+        self, zero_stage: int, checkpointing: bool, engine: Engine, precision: PlannedPrecision, sequence_parallel: int
     ) -> list[Variant]:
         """_technique_variants of these knobs, once per distinct input (its arguments are the key)."""
-        inputs = (zero_stage, checkpointing, engine, precision)
+        inputs = (zero_stage, checkpointing, engine, precision, sequence_parallel)
         variants = self.variants.get(inputs)
         if variants is None:
             knobs = Knobs(
@@ -156,21 +181,25 @@ class _Search:
                 engine=engine,
                 precision=precision,
                 master_weights=self.master_weights,
+                sequence_parallel=sequence_parallel,
                 clips_gradients=self.spec.training.max_grad_norm > 0,
+                **self.facts,
             )
             variants = self.variants[inputs] = _technique_variants(self.spec, knobs, self.shape)
         return variants
 
-    def outpaced(self, plain: Strategy, largest_micro: int, capacity: PoolCapacity) -> bool:
+    def outpaced(self, plain: Strategy, largest_micro: int, per_gpu_batch: int, capacity: PoolCapacity) -> bool:
         """Whether MAX_CANDIDATES plans of the method are faster than these knobs could be (their largest
-        micro-batch without accumulation and without techniques is their best case)."""
+        micro-batch, without accumulation unless pinned or split finer, and without techniques is their best
+        case)."""
         heap = self.fastest.get(plain.method)
         if heap is None or len(heap) < MAX_CANDIDATES:
             return False
-        best_case = plain.replaced(micro_batch_size=largest_micro, gradient_accumulation_steps=1)
+        accumulation = per_gpu_batch // largest_micro
+        best_case = plain.replaced(micro_batch_size=largest_micro, gradient_accumulation_steps=accumulation)
         trainable = self.static_memory(plain).trainable
         step = step_seconds(self.shape, best_case, capacity, self.sequence_length, trainable)
-        return best_case.gpus * largest_micro * self.sequence_length / step < heap[0]
+        return tokens_per_step(best_case, self.sequence_length) / step < heap[0]
 
     def found(self, fit: Fit) -> None:
         self.fits.append(fit)
@@ -181,6 +210,15 @@ class _Search:
             heapq.heappush(heap, fit.tokens_per_second)
         elif fit.tokens_per_second > heap[0]:
             heapq.heapreplace(heap, fit.tokens_per_second)
+
+    def split_attention(
+        self, capacity: PoolCapacity, method: PlannedMethod, attention: Attention, degree: int
+    ) -> Attention | None:
+        """_split_attention, once per distinct input (it depends on the pool only through the kernels it runs)."""
+        inputs = (method, attention, degree, runs_attention(Attention.FLASH, capacity))
+        if inputs not in self.split_kernels:
+            self.split_kernels[inputs] = _split_attention(self, capacity, method, attention, degree)
+        return self.split_kernels[inputs]
 
     def static_memory(self, template: Strategy) -> StaticMemory:
         setup = StaticSetup.of(template)
@@ -445,47 +483,105 @@ def _search_pool(search: _Search, capacity: PoolCapacity, method: PlannedMethod)
     batch = spec.training.global_batch_size
     tried = False
     # Most GPUs first: their faster plans raise the bar (search.outpaced) for the slower ones early.
-    for nodes, per_node in reversed(list(layouts(capacity, spec.resources.max_gpus, batch))):
-        per_gpu_batch = batch // (nodes * per_node)
-        micro_batches = _micro_batches(spec, per_gpu_batch)
-        if not micro_batches:
-            continue
-        tried = True
+    for nodes, per_node in reversed(
+        list(layouts(capacity, spec.resources.max_gpus, batch, spec.strategy.sequence_parallel))
+    ):
+        splits = _splits(search, capacity, method, attention, nodes * per_node)
+        tried = tried or bool(splits)
         for precision, engine in itertools.product(precisions, engines):
             evaluated: dict[_KnobKey, _Largest] = {}
             options = search.zero_options(method, precision, capacity, nodes * per_node, engine)
-            for stage, opt, params in options:
-                for ckpt in checkpointing:
-                    variants = search.technique_variants(stage, ckpt, engine, precision)
-                    to_beat = _to_beat(evaluated, (stage, opt, params, ckpt), micro_batches[0])
-                    worth = [micro for micro in micro_batches if micro > to_beat]
-                    if not variants or not worth:
-                        continue
-                    knobs = Strategy(
-                        method=method,
-                        pool=capacity.name,
-                        nodes=nodes,
-                        gpus_per_node=per_node,
-                        zero_stage=stage,
-                        offload_optimizer=opt,
-                        offload_parameters=params,
-                        gradient_checkpointing=ckpt,
-                        micro_batch_size=1,
-                        gradient_accumulation_steps=1,
-                        precision=precision,
-                        optimizer=spec.training.optimizer,
-                        attention=attention,
-                        master_weights=search.master_weights,
-                        engine=engine,
-                    )
-                    plain = _with_techniques(knobs, variants[0])
-                    if search.outpaced(plain, micro_batches[0], capacity):
-                        continue
-                    evaluated[(stage, opt, params, ckpt)] = _fit_knobs(
-                        search, capacity, limit, plain, variants[1:], worth, per_gpu_batch, to_beat
-                    )
+            for split, (stage, opt, params), ckpt in itertools.product(splits, options, checkpointing):
+                variants = search.technique_variants(stage, ckpt, engine, precision, split.degree)
+                key = (stage, opt, params, ckpt, split.degree)
+                micro_batches = split.micro_batches
+                to_beat = _to_beat(evaluated, key, micro_batches[0])
+                worth = [micro for micro in micro_batches if micro > to_beat]
+                if not variants or not worth:
+                    continue
+                knobs = Strategy(
+                    method=method,
+                    pool=capacity.name,
+                    nodes=nodes,
+                    gpus_per_node=per_node,
+                    zero_stage=stage,
+                    offload_optimizer=opt,
+                    offload_parameters=params,
+                    gradient_checkpointing=ckpt,
+                    micro_batch_size=1,
+                    gradient_accumulation_steps=1,
+                    precision=precision,
+                    optimizer=spec.training.optimizer,
+                    attention=split.attention,
+                    master_weights=search.master_weights,
+                    engine=engine,
+                    sequence_parallel=split.degree,
+                )
+                plain = _with_techniques(knobs, variants[0])
+                if search.outpaced(plain, micro_batches[0], split.per_gpu_batch, capacity):
+                    evaluated[key] = _OUTPACED
+                    continue
+                evaluated[key] = _fit_knobs(
+                    search, capacity, limit, plain, variants[1:], worth, split.per_gpu_batch, to_beat
+                )
     if not tried:
         search.untried.add(Untried(pool=capacity.name, method=None, cause=Untried.no_layout(spec)))
+
+
+@dataclass(frozen=True, slots=True)
+class _Split:
+    """One sequence-parallel degree on a layout: the kernel it attends with and the micro-batches it tries."""
+
+    degree: int
+    attention: Attention
+    per_gpu_batch: int
+    """Sequences per data-parallel rank (a group of ``degree`` GPUs) per optimizer step."""
+    micro_batches: list[int]
+
+
+def _splits(
+    search: _Search, capacity: PoolCapacity, method: PlannedMethod, attention: Attention, gpus: int
+) -> list[_Split]:
+    """The sequence-parallel degrees to try on ``gpus`` (the pinned one, else 1 and the powers of two that
+    divide them, lowest first: :func:`_to_beat` tries a higher degree only where lower ones fall short), each
+    with a kernel the rules allow it and the micro-batches that divide its data-parallel share of the batch.
+
+    A micro-batch m at degree P holds m/P sequences per GPU. Where a lower degree d with the same kernel can
+    hold as many (m x d / P is a whole micro-batch of it), the lower one holds no more memory (the same tokens
+    per GPU, without the all-to-all buffers) and runs faster (no all-to-alls), so only the others are tried:
+    the higher degrees buy finer shares of a sequence, below one per GPU first."""
+    spec = search.spec
+    batch = spec.training.global_batch_size
+    pinned_micro = spec.strategy.micro_batch_size is not None
+    splits: list[_Split] = []
+    for degree in batch_degrees(gpus, batch, spec.strategy.sequence_parallel):
+        kernel = attention if degree == 1 else search.split_attention(capacity, method, attention, degree)
+        if kernel is None:
+            continue
+        per_gpu_batch = batch // (gpus // degree)
+        lower = [split.degree for split in splits if split.attention == kernel and not pinned_micro]
+        micro_batches = [
+            micro for micro in _micro_batches(spec, per_gpu_batch) if all(micro * d % degree for d in lower)
+        ]
+        if micro_batches:
+            splits.append(_Split(degree, kernel, per_gpu_batch, micro_batches))
+    return splits
+
+
+def _split_attention(
+    search: _Search, capacity: PoolCapacity, method: PlannedMethod, attention: Attention, degree: int
+) -> Attention | None:
+    """The kernel ``degree`` > 1 runs: the planned one where the rules allow it (Ulysses refuses eager and flex,
+    and windowed or soft-capped attention needs flash), else flash or SDPA where the pool runs it and the
+    model's description plans it, unless the job pins the kernel; None: no kernel can split the sequence."""
+    pinned = search.spec.strategy.attention
+    kernels = [attention] if pinned is not None else list(dict.fromkeys((attention, Attention.FLASH, Attention.SDPA)))
+    for kernel in kernels:
+        knobs = replace(search.pinned, method=method, attention=kernel, sequence_parallel=degree)
+        plannable = kernel == attention or search.shape.unplannable(Precision.BF16, kernel, frozenset()) is None
+        if runs_attention(kernel, capacity) and plannable and not knob_conflicts(knobs):
+            return kernel
+    return None
 
 
 def _technique_variants(spec: FineTuneJobSpec, knobs: Knobs, model: PlannedModel) -> list[Variant]:
@@ -520,36 +616,52 @@ def _fit_knobs(
 ) -> _Largest:
     """The largest of ``micro_batches`` (those above ``to_beat``, what an as-fast option fits) one knob
     combination fits, recording the fits: ``plain`` first, then, where it falls short of the largest
-    micro-batch, each technique variant (chunked loss, activation offloading, optimizer in backward) but those
-    that add a technique to one that fits the largest, recorded where it fits a larger micro-batch than
-    ``plain`` and ``to_beat``: a technique is chosen where it makes a plan fit, or a faster one (which of two
+    micro-batch, each technique variant (chunked loss, activation offloading, optimizer in backward, tiled MLP),
+    recorded where it fits a larger micro-batch than ``plain``, ``to_beat`` and the variants it adds a technique
+    to (tried only below the largest): a technique is chosen where it makes a plan fit, or a faster one (which of two
     variants is faster depends on the job: the report ranks them). They shrink activations and gradients,
     neither of which is in the model states' floor, so none is tried where the floor does not fit."""
     bf16_masters = plain.master_weights == MasterWeights.BF16 and search.spec.strategy.master_weights is None
     best = _largest_fitting_micro_batch(search, capacity, limit, plain, micro_batches, per_gpu_batch,
                                         chosen=Chosen((), None, bf16_masters) if bf16_masters else None)  # fmt: skip
     without = _Largest(best, best, _host_short(search, capacity, plain))
-    if best == micro_batches[0] or not variants or _states_short(search, capacity, limit, plain):
+    if best == micro_batches[0]:
+        return without
+    without = replace(without, states_short=_states_short(search, capacity, limit, plain))
+    if not variants or without.states_short:
         return without
     larger = [micro for micro in micro_batches if micro > (best or 0)]
-    every_technique = _with_techniques(plain, variants[-1])
     # The larger micro-batches that need the least: the smallest, and the one without accumulation (which keeps
     # no gradients alive between micro-batches: it can need less than a smaller one that accumulates).
-    if not any(_fits_gpu(search, limit, every_technique, micro, per_gpu_batch) for micro in {larger[0], larger[-1]}):
-        return without  # not even every technique together fits a larger micro-batch (they only save GPU memory)
+    least = [_with_techniques(plain, variant) for variant in _least_holding(variants)]
+    if not any(_fits_gpu(search, limit, template, micro, per_gpu_batch) for template in least
+               for micro in {larger[0], larger[-1]}):  # fmt: skip
+        return without  # not even the variants that hold least fit a larger micro-batch
     before = max(best or 0, to_beat)  # the largest micro-batch without techniques, of these knobs or as-fast ones
-    reached: list[Variant] = []  # variants that fit the largest micro-batch: adding a technique to one only costs
+    # The largest micro-batch each variant tried fits, or one it includes does: adding a technique only costs, so a
+    # variant is worth trying only above what the variants it includes fit (none where they fit the largest).
+    fitted: dict[Variant, int] = {}
     for techniques in variants:
-        if any(_includes(techniques, other) for other in reached):
+        floor = max([before, *(micro for other, micro in fitted.items() if _includes(techniques, other))])
+        if floor >= micro_batches[0]:
             continue
         variant = _with_techniques(plain, techniques)
         added = Chosen(_added_techniques(plain, variant), before or None, bf16_masters)
         micro = _largest_fitting_micro_batch(search, capacity, limit, variant, micro_batches, per_gpu_batch,
-                                             must_beat=before, chosen=added)  # fmt: skip
+                                             must_beat=floor, chosen=added)  # fmt: skip
         best = max(best or 0, micro or 0) or None
-        if micro == micro_batches[0]:
-            reached.append(techniques)
+        fitted[techniques] = max(floor, micro or 0)
     return replace(without, any=best)
+
+
+def _least_holding(variants: list[Variant]) -> list[Variant]:
+    """The variants that hold the least GPU memory on some job: the last (every technique the rules allow
+    together), and it without any of those that may hold more than they save (:attr:`Technique.may_hold_more`)."""
+    choices = [
+        [on, False] if on and technique.may_hold_more else [on]
+        for technique, on in zip(TECHNIQUES, variants[-1], strict=True)
+    ]
+    return [variant for variant in itertools.product(*choices) if variant in variants]
 
 
 def _includes(variant: Variant, other: Variant) -> bool:
@@ -588,12 +700,20 @@ def _to_beat(evaluated: dict[_KnobKey, _Largest], knobs: _KnobKey, largest_micro
     slower traffic). Else the largest that an as-fast option fits without techniques (:func:`_as_fast`): at
     that micro-batch or below, more recomputation, offload or a higher ZeRO stage can only be slower (one that
     needs a technique pays for it, and may be slower than ``knobs`` without)."""
-    stage, opt, params, ckpt = knobs
-    on_cpu = [(stage, Offload.CPU, params, ckpt)] if opt == Offload.NVME else []
-    on_cpu += [(stage, opt, Offload.CPU, ckpt)] if params == Offload.NVME else []
+    stage, opt, params, ckpt, degree = knobs
+    on_cpu = [(stage, Offload.CPU, params, ckpt, degree)] if opt == Offload.NVME else []
+    on_cpu += [(stage, opt, Offload.CPU, ckpt, degree)] if params == Offload.NVME else []
     if any(key in evaluated and not evaluated[key].host_short for key in on_cpu):
         return largest_micro
-    as_fast = [largest.plain or 0 for other, largest in evaluated.items() if other != knobs and _as_fast(other, knobs)]
+    lower = [(stage, opt, params, ckpt, 2**power) for power in range(degree.bit_length() - 1)]
+    if any(key in evaluated and (evaluated[key].states_short or evaluated[key].outpaced) for key in lower):
+        return largest_micro  # a lower degree's model states overflow (this degree's are the same), or it was outpaced
+    # A micro-batch m at degree P holds m/P sequences per GPU: an as-fast option's micro-batch, in this degree's.
+    as_fast = [
+        largest.plain * degree // other[4]
+        for other, largest in evaluated.items()
+        if largest.plain and other != knobs and _as_fast(other, knobs)
+    ]
     return max(as_fast, default=0)
 
 
@@ -602,17 +722,19 @@ _OFFLOAD_COST = {Offload.NONE: 0, Offload.CPU: 1, Offload.NVME: 2}
 
 
 def _as_fast(other: _KnobKey, knobs: _KnobKey) -> bool:
-    """Whether ``other`` is at least as fast as ``knobs`` at the same micro-batch: no recomputation or offload
-    (or slower offload) that ``knobs`` does not have, and a stage that communicates no more (a lower one;
-    ZeRO-1 for ZeRO-0)."""
-    stage, opt, params, ckpt = knobs
-    other_stage, other_opt, other_params, other_ckpt = other
+    """Whether ``other`` is at least as fast as ``knobs`` at the same tokens per GPU: no recomputation or offload
+    (or slower offload) that ``knobs`` does not have, a stage that communicates no more (a lower one; ZeRO-1
+    for ZeRO-0), and a sequence-parallel degree no higher (more all-to-all traffic, and as many micro-batches
+    or more per step)."""
+    stage, opt, params, ckpt, degree = knobs
+    other_stage, other_opt, other_params, other_ckpt, other_degree = other
     as_fast_stage = other_stage <= stage or (stage, other_stage) == (0, 1)
     return (
         as_fast_stage
         and _OFFLOAD_COST[other_opt] <= _OFFLOAD_COST[opt]
         and _OFFLOAD_COST[other_params] <= _OFFLOAD_COST[params]
         and other_ckpt <= ckpt
+        and other_degree <= degree
     )
 
 
@@ -696,7 +818,7 @@ def _record_fit(search: _Search, fit: Evaluated, must_beat: int | None, chosen: 
         return None
     strategy = fit.strategy
     step = step_seconds(search.shape, strategy, fit.capacity, search.sequence_length, fit.trainable)
-    tokens = strategy.gpus * strategy.micro_batch_size * strategy.gradient_accumulation_steps * search.sequence_length
+    tokens = tokens_per_step(strategy, search.sequence_length)
     techniques = chosen.describe(fit.micro_batch_size) if chosen else None
     search.found(Fit(fit, tokens / step, step, techniques))
     return fit.micro_batch_size

@@ -12,6 +12,7 @@ from memfit.api.gpupool import PoolCapacity
 from memfit.api.plan import PlanThroughput, Strategy
 from memfit.api.vocabulary import Method, Precision
 from memfit.memory.sizes import compute_bytes
+from memfit.model_facts import attention_heads, dense_mlp_parameters
 from memfit.planned_model import PlannedModel
 from memfit.planner.engines import ENGINE_TRAFFIC
 
@@ -30,11 +31,14 @@ FP32_SLOWDOWN = 8.0
 def _training_flops_per_token(shape: PlannedModel, strategy: Strategy, sequence_length: int) -> float:
     """Forward 2N + causal attention; backward 2x forward for full training, 1x when the base is
     frozen (no weight gradients); checkpointing repeats the forward; the chunked loss repeats the LM
-    head's matmul in backward (2 x hidden x vocabulary per token)."""
+    head's matmul in backward (2 x hidden x vocabulary per token); the tiled MLP repeats each dense MLP's
+    forward in backward (2 x its parameters per token: 6 x hidden x intermediate per gated MLP)."""
     model = shape.model_flops_per_token(sequence_length, trains_base=strategy.method == Method.FULL)
     recompute = shape.forward_flops_per_token(sequence_length) if strategy.gradient_checkpointing else 0
     if strategy.chunked_loss:
         recompute += 2 * shape.hidden_size * shape.vocab_size
+    if strategy.tiled_mlp:
+        recompute += 2 * dense_mlp_parameters(shape)
     return model + recompute
 
 
@@ -52,6 +56,36 @@ def _collective_bandwidth(pool: PoolCapacity, strategy: Strategy) -> float:
     if strategy.nodes == 1:
         return pool.intra_node_bytes_per_second
     return min(pool.intra_node_bytes_per_second, pool.inter_node_bytes_per_second / strategy.gpus_per_node)
+
+
+def _all_to_all_bandwidth(pool: PoolCapacity, strategy: Strategy) -> float:
+    """Bytes/s each GPU sees in its sequence-parallel group: its ranks are contiguous, so within a node
+    while the group fits in one, else limited by the node's share of the NICs."""
+    if strategy.sequence_parallel <= strategy.gpus_per_node:
+        return pool.intra_node_bytes_per_second
+    return min(pool.intra_node_bytes_per_second, pool.inter_node_bytes_per_second / strategy.gpus_per_node)
+
+
+def _all_to_all_seconds(shape: PlannedModel, strategy: Strategy, pool: PoolCapacity, local_tokens: int) -> float:
+    """Ulysses' all-to-alls of one micro-batch, per rank: in the forward (and again in a checkpointed
+    layer's recompute) and the backward, each layer sends (P-1)/P of its local queries, keys and values and
+    of the attention output; key/value heads fewer than the ranks are replicated to one per rank. The layer
+    waits for them: they neither hide behind compute nor hide other communication."""
+    degree = strategy.sequence_parallel
+    heads = attention_heads(shape)
+    if degree == 1 or heads is None:
+        return 0.0
+    query_heads, kv_heads, head_dim = heads
+    per_token = (2 * query_heads + 2 * max(kv_heads, degree)) * head_dim * compute_bytes(strategy.precision)
+    passes = 2 + int(strategy.gradient_checkpointing)
+    sent = shape.num_layers * passes * (degree - 1) / degree * local_tokens * per_token
+    return sent / _all_to_all_bandwidth(pool, strategy)
+
+
+def tokens_per_step(strategy: Strategy, sequence_length: int) -> int:
+    """Tokens one optimizer step trains: each data-parallel group of ``sequence_parallel`` ranks shares its
+    sequences."""
+    return strategy.data_parallel * strategy.micro_batch_size * strategy.gradient_accumulation_steps * sequence_length
 
 
 def _communication_seconds(shape: PlannedModel, strategy: Strategy, pool: PoolCapacity, trainable: int) -> float:
@@ -82,7 +116,7 @@ def estimate_throughput(
     trainable: int,
 ) -> PlanThroughput:
     step = step_seconds(shape, strategy, pool, sequence_length, trainable)
-    tokens = strategy.gpus * strategy.micro_batch_size * strategy.gradient_accumulation_steps * sequence_length
+    tokens = tokens_per_step(strategy, sequence_length)
     return PlanThroughput.model_construct(tokens_per_second=tokens / step, step_seconds=step)
 
 
@@ -93,8 +127,9 @@ def step_seconds(
     micro-batch (no accumulation): bigger micro-batches use the GPU better, and ZeRO-2/3 communicate
     and offloaded weights travel once per micro-batch. The optimizer step in backward
     (``optimizer_in_backward``) is the same optimizer work and traffic moved into the backward pass: it
-    changes the step's memory, not its time, so nothing here depends on it."""
-    micro_tokens = strategy.micro_batch_size * sequence_length
+    changes the step's memory, not its time, so nothing here depends on it. With sequence parallelism
+    each rank computes its share of the micro-batch's tokens and waits for the all-to-alls."""
+    micro_tokens = strategy.micro_batch_size * -(-sequence_length // strategy.sequence_parallel)
     efficiency = PEAK_EFFICIENCY * micro_tokens / (micro_tokens + HALF_EFFICIENCY_TOKENS)
     flops = _training_flops_per_token(shape, strategy, sequence_length) * micro_tokens
     micro_seconds = flops / (peak_flops(pool, strategy.precision) * efficiency)
@@ -105,4 +140,5 @@ def step_seconds(
     compute = micro_seconds * strategy.gradient_accumulation_steps
     communication = _communication_seconds(shape, strategy, pool, trainable)
     step = compute + (1 - COMM_OVERLAP) * communication + max(0.0, COMM_OVERLAP * communication - compute)
-    return step + _offload_seconds(shape, strategy, pool, trainable)
+    all_to_all = _all_to_all_seconds(shape, strategy, pool, micro_tokens) * strategy.gradient_accumulation_steps
+    return step + all_to_all + _offload_seconds(shape, strategy, pool, trainable)

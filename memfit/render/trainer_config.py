@@ -163,6 +163,8 @@ def render_trainer_config(
             chunked_loss=strategy.chunked_loss,
             activation_offloading=strategy.activation_offloading,
             master_weights=strategy.master_weights,
+            sequence_parallel=strategy.sequence_parallel,
+            tiled_mlp=strategy.tiled_mlp,
             seed=training.seed,
             checkpoint_every_steps=training.checkpoint_every_steps,
             lora=LoraConfig.model_validate({**spec.lora.model_dump(), "dropout": dropout}),

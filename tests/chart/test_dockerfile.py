@@ -257,6 +257,7 @@ def test_trainer_installs_like_the_makefile(dockerfile: dict[str, Stage]) -> Non
     assert "--no-build-isolation -e '.[operator,trainer,dev]'" in makefile
     assert installs[2:] == [
         ["--no-build-isolation", "-r", "requirements.txt"],
+        ["--no-build-isolation", "flash-attn>=2.7,<3"],  # CUDA images only: the Makefile's machine has no nvcc
         ["--no-deps", "--no-build-isolation", "."],
     ]
     assert any("-m venv /opt/memfit" in run for run in stage.runs) and "PATH=/opt/memfit/bin:$PATH" in stage.env

@@ -104,7 +104,7 @@ def slug(text: str) -> str:
 # (field, smallest, largest, base document) of every integer the API takes.
 INTEGERS: list[tuple[str, int, int, dict[str, Any]]] = [
     ("spec.training.globalBatchSize", 1, 65_536, JOB),
-    ("spec.training.sequenceLength", 8, 1_048_576, JOB),
+    ("spec.training.sequenceLength", 8, 4_194_304, JOB),
     ("spec.training.epochs", 1, 10_000_000, JOB),
     ("spec.training.maxSteps", 1, 10_000_000, JOB),
     ("spec.training.checkpointEverySteps", 1, 10_000_000, JOB),
@@ -113,6 +113,7 @@ INTEGERS: list[tuple[str, int, int, dict[str, Any]]] = [
     ("spec.resources.maxGPUs", 1, 640_000, JOB),
     ("spec.strategy.microBatchSize", 1, 65_536, JOB),
     ("spec.strategy.zeroStage", 0, 3, JOB),
+    ("spec.strategy.sequenceParallel", 1, 64, JOB),
     ("spec.maxRestarts", 0, 100, JOB),
     ("spec.maxReplans", 0, 100, JOB),
     ("spec.dataset.maxRecordMib", 1, 1024, JOB),
@@ -157,6 +158,7 @@ BOOLEANS: list[tuple[str, dict[str, Any]]] = [
     ("spec.dataset.streaming", JOB),
     ("spec.dataset.changed", JOB),
     ("spec.strategy.gradientCheckpointing", JOB),
+    ("spec.strategy.tiledMlp", JOB),
     ("spec.model.architecture.tieWordEmbeddings", CUSTOM),
 ]
 ENUMS: list[tuple[str, dict[str, Any]]] = [
@@ -483,7 +485,7 @@ def valid_cases() -> Iterator[Case]:
         # dropout at its maximum: on the attention only (peft adapts fused experts without dropout)
         "method": "auto", "lora": {"rank": 4096, "alpha": 1e6, "dropout": 0.99,
                                    "targetModules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
-        "training": {"globalBatchSize": 65_536, "sequenceLength": 1_048_576, "epochs": 10_000_000,
+        "training": {"globalBatchSize": 65_536, "sequenceLength": 4_194_304, "epochs": 10_000_000,
                      "maxSteps": 10_000_000, "learningRate": 0.999, "warmupRatio": 0.999, "weightDecay": 10,
                      "maxGradNorm": 1e6, "checkpointEverySteps": 10_000_000, "seed": 2**32 - 1},
         "resources": {"maxGPUs": 640_000, "memoryHeadroomPercent": 89.99}, "strategy": {},

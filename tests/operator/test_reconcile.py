@@ -942,16 +942,16 @@ def test_a_fixed_spec_is_then_planned_and_launched() -> None:
 
 
 def test_a_launch_with_a_pinned_micro_batch_keeps_the_global_batch_exact() -> None:
-    """micro-batch x accumulation x GPUs must equal training.globalBatchSize, in the plan and in the
-    trainer config the pods get."""
+    """micro-batch x accumulation x data-parallel GPUs must equal training.globalBatchSize, in the plan and in
+    the trainer config the pods get."""
     cluster = FakeCluster(job_document(strategy={"microBatchSize": 4}))
     strategy = cluster.step().status.plan.strategy
     config = trainer_config(cluster, 1)["training"]
     assert (config["microBatchSize"], config["globalBatchSize"]) == (4, 64)
-    assert strategy.micro_batch_size * strategy.gradient_accumulation_steps * strategy.gpus == 64, (
+    assert strategy.micro_batch_size * strategy.gradient_accumulation_steps * strategy.data_parallel == 64, (
         f"{strategy.summary()} does not keep training.globalBatchSize 64 exact"
     )
-    assert config["microBatchSize"] * config["gradientAccumulationSteps"] * strategy.gpus == 64
+    assert config["microBatchSize"] * config["gradientAccumulationSteps"] * strategy.data_parallel == 64
 
 
 def test_a_spec_that_becomes_invalid_before_launch_is_reported() -> None:

@@ -27,6 +27,7 @@ from memfit.contract.progress import read_progress
 from memfit.contract.sections import DataConfig, LoraConfig, MetricsConfig, ModelConfig, TrainingConfig
 from memfit.contract.trainer_config import TrainerConfig
 from memfit.model_shape import ModelFamily, ModelShape
+from memfit_trainer.loop import HOLD_ENV
 from memfit_trainer.protocol_hold import HOLD_AT_ENV
 
 WORLD_SIZE = 2
@@ -219,8 +220,6 @@ def run_single_process(config_path: Path, timeout: float = 300, **env: str):
     )
 
 
-HOLD_ENV = "MEMFIT_TEST_HOLD_AFTER_STEP"
-"""memfit_trainer.loop's test hook (``STEP:FILE``): after ``STEP`` (and its checkpoint) the run waits for FILE."""
 HELD_DEADLINE_SECONDS = 600
 
 

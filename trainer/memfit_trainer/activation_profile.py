@@ -16,12 +16,14 @@ trainer builds it
 (``all-linear``, rank 16, dropout 0.05; no dropout where peft adapts fused experts or a router in place, which
 refuse it), the embedding's output made to require grad so that each traced layer keeps what a layer deeper in
 the stack keeps (a frozen model's first layer keeps less: it is counted high); each is traced again with the
-trainer's chunked loss for the terms outside the layers. Hooks on each decoder layer
-read what the layer leaves alive at the end of its forward and the most its backward adds above what was
-alive when that backward started. The traces at several token counts are solved exactly for ``a·T + b·T² + c``
-(``T·min(T, window)`` where a sliding window bounds the quadratic term; past the window for a term that
-appears only there) and every further count is checked to the byte; no factor is fitted. A term that no such
-form reproduces keeps its measured points.
+trainer's chunked loss for the terms outside the layers. All four are traced again on a row of one unpadded
+document (no mask: SDPA's ``is_causal`` path, which saves what flash attention saves, the terms flash is planned
+with), and on such rows with the trainer's tiled MLP (``memfit_trainer.tiled_mlp``) at whole tiles. Hooks on
+each decoder layer read what the layer leaves alive at the end of its forward and the most its backward adds
+above what was alive when that backward started. The traces at several token counts are solved exactly for
+``a·T + b·T² + c`` (``T·min(T, window)`` where a sliding window bounds the quadratic term; past the window
+for a term that appears only there) and every further count is checked to the byte; no factor is fitted. A
+term that no such form reproduces keeps its measured points.
 """
 
 from __future__ import annotations
@@ -36,7 +38,14 @@ from fractions import Fraction
 from typing import Any, TypeVar
 
 from memfit.contract.sections import LoraConfig
-from memfit.profile import ActivationProfile, ActivationTerm, ActivationTerms, LayerActivations, OutsideTerms
+from memfit.profile import (
+    ActivationProfile,
+    ActivationTerm,
+    ActivationTerms,
+    LayerActivations,
+    OutsideTerms,
+    TracedSetups,
+)
 
 DEFAULT_TOKENS = (256, 512, 1024, 2048)
 """Token counts traced for every model: three to solve for and one to check."""
@@ -64,9 +73,13 @@ class Setup:
     offloading: bool = False
     """The checkpointed layers' inputs moved off the traced device by the trainer's own activation offloading
     (``memfit_trainer.activation_offload``, copying to ``fake_trace.HOST``)."""
+    tiled_mlp: bool = False
+    """The decoder's dense MLPs run tile by tile by the trainer's own tiled MLP (``memfit_trainer.tiled_mlp``)."""
 
 
 FULL = Setup()
+UNMASKED = Setup(packed=False)
+"""Rows of one unpadded document, no mask: flash attention's memory (traced plain and with the tiled MLP)."""
 
 
 @dataclass(frozen=True)
@@ -188,6 +201,10 @@ def meta_model(text: Any, layer_types: Sequence[str], attention: str, setup: Set
         model = with_adapters(model, setup.lora, torch.bfloat16, gradient_checkpointing=setup.checkpointing)
     elif setup.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=CHECKPOINTING)
+    if setup.tiled_mlp:
+        from memfit_trainer.tiled_mlp import tile_mlps
+
+        tile_mlps(model)
     model.train()
     return model
 
@@ -386,6 +403,10 @@ def token_counts(window: int | None) -> tuple[int, ...]:
     return tuple(sorted(set(DEFAULT_TOKENS) | extra))
 
 
+TILES = (2, 3, 4, 6)
+"""Multiples of the hidden size (whole tiles) traced for the tiled MLP: three to solve for and one to check."""
+
+
 @dataclass(frozen=True)
 class TracedModel:
     """What every traced setup of one model shares: its text config, layer types, window, kernel and counts."""
@@ -397,6 +418,10 @@ class TracedModel:
     counts: tuple[int, ...]
     outside_counts: tuple[int, ...]
     """Where the chunked loss's terms are traced: no window bounds a term outside the layers."""
+    tiled_counts: tuple[int, ...]
+    """Where the tiled MLP's setups are traced: multiples of the hidden size, whole tiles of the trainer's
+    ``mlp_tile_tokens``, so that one tile's bytes are the constant and the rest grows with the tokens (a count
+    between them cuts smaller tiles, which hold less)."""
 
     @classmethod
     def of(cls, config: dict[str, Any], tokens: Sequence[int] | None = None) -> TracedModel:
@@ -404,13 +429,23 @@ class TracedModel:
         kinds = distinct_layer_types(text)
         window = getattr(text, "sliding_window", None) if any("sliding" in kind for kind in kinds) else None
         counts = tuple(tokens or token_counts(window))
-        return cls(text, kinds, window, attention_kernel(text), counts, tuple(tokens or DEFAULT_TOKENS))
+        tiled = tuple(factor * int(text.hidden_size) for factor in TILES)
+        return cls(text, kinds, window, attention_kernel(text), counts, tuple(tokens or DEFAULT_TOKENS), tiled)
 
     def terms(self, setup: Setup) -> ActivationTerms:
         """The setup's terms, each solved exactly from its traces (:func:`activation_terms`)."""
         return activation_terms(
             self.text, self.kinds, self.attention, self.counts, setup, self.window, self.outside_counts
         )
+
+    def tiled_terms(self, setup: Setup) -> ActivationTerms | None:
+        """The setup's terms with the trainer's tiled MLP, without the chunked loss (what tiling changes is inside
+        the layers); None where a step with it fails (the planner then leaves tiled MLPs off)."""
+        tiled = replace(setup, tiled_mlp=True)
+        try:
+            return activation_terms(self.text, self.kinds, self.attention, self.tiled_counts, tiled, self.window, ())
+        except Exception:  # the model's own code under the trainer's tiled MLP: whatever it raises, untraced
+            return None
 
 
 def activation_profile(
@@ -423,26 +458,49 @@ def activation_profile(
     with _executor(workers if workers is not None else min(2, len(os.sched_getaffinity(0)))) as pool:
         full = pool.submit(model.terms, FULL)
         full_checkpointed = pool.submit(model.terms, Setup(checkpointing=True))
-        lora_terms: tuple[ActivationTerms, ActivationTerms] | None = None
+        unmasked = [pool.submit(model.terms, setup) for setup in _each_checkpointed([UNMASKED], None)]
+        tiled = [pool.submit(model.tiled_terms, setup) for setup in _each_checkpointed([UNMASKED], None)]
+        lora_terms: tuple[ActivationTerms, ...] | None = None
+        lora_tiled: Sequence[ActivationTerms | None] = (None, None)
         failure: str | None = None
         try:
             lora = lora_of(model.text, model.kinds, model.attention)
-            adapted = [pool.submit(model.terms, Setup(lora=lora, checkpointing=on)) for on in (False, True)]
-            lora_terms = adapted[0].result(), adapted[1].result()
+            adapted = [pool.submit(model.terms, setup) for setup in _each_checkpointed([FULL, UNMASKED], lora)]
+            adapted_tiled = [pool.submit(model.tiled_terms, setup) for setup in _each_checkpointed([UNMASKED], lora)]
+            lora_terms = tuple(future.result() for future in adapted)
+            lora_tiled = [future.result() for future in adapted_tiled]
         except Exception as error:  # the model's own code with peft's adapters: whatever it raises, LoRA cannot train
             lora, failure = DEFAULT_LORA, " ".join(f"{type(error).__name__}: {error}".split())[:MESSAGE_LENGTH]
+        lora_all: Sequence[ActivationTerms | None] = lora_terms or (None,) * 4
         return ActivationProfile(
             dtype=DTYPE,
             micro_batch=1,
             attention=model.attention,
             full=full.result(),
             full_checkpointed=full_checkpointed.result(),
-            lora=lora_terms[0] if lora_terms else None,
-            lora_checkpointed=lora_terms[1] if lora_terms else None,
+            lora=lora_all[0],
+            lora_checkpointed=lora_all[1],
+            unmasked=_traced_setups([future.result() for future in unmasked], lora_all[2:]),
+            tiled_mlp=_traced_setups([future.result() for future in tiled], lora_tiled),
             lora_rank=lora.rank,
             lora_dropout=lora.dropout,
             lora_failure=failure,
         )
+
+
+def _each_checkpointed(rows: Sequence[Setup], lora: LoraConfig | None) -> list[Setup]:
+    """Each of these setups with these adapters (None: full fine-tuning), without and with checkpointing."""
+    return [replace(row, lora=lora, checkpointing=on) for row in rows for on in (False, True)]
+
+
+def _traced_setups(
+    full: Sequence[ActivationTerms | None], lora: Sequence[ActivationTerms | None]
+) -> TracedSetups | None:
+    """Full fine-tuning's and LoRA's terms, each without and with checkpointing; None where full fine-tuning's
+    failed."""
+    if full[0] is None or full[1] is None:
+        return None
+    return TracedSetups(full=full[0], full_checkpointed=full[1], lora=lora[0], lora_checkpointed=lora[1])
 
 
 class _InProcess(Executor):
@@ -476,7 +534,7 @@ def activation_terms(
 ) -> ActivationTerms:
     """The terms of one setup: a trace per token count, each term solved exactly over them, with the model's own
     loss and, for the terms outside the layers (the layers keep the same), the chunked loss, traced at
-    ``outside_counts`` (default ``counts``): None where a step with it fails."""
+    ``outside_counts`` (default ``counts``): None where a step with it fails, or where no counts are given."""
 
     def solved(traces: list[Trace]) -> tuple[OutsideTerms, tuple[LayerActivations, ...]]:
         return _outside(traces), _layers(traces, kinds, attention, window)
@@ -486,9 +544,10 @@ def activation_terms(
         return _outside_list(outside) + [term for layer in layers for term in (layer.saved, layer.backward_peak)]
 
     outside, layers = _exactly_solved(text, kinds, attention, counts, setup, solved, every_term)
+    chunked = outside_counts if outside_counts is not None else counts
     return ActivationTerms(
         outside=outside,
-        chunked_loss=_chunked_loss_terms(text, kinds, attention, outside_counts or counts, setup),
+        chunked_loss=_chunked_loss_terms(text, kinds, attention, chunked, setup) if chunked else None,
         layers=layers,
     )
 

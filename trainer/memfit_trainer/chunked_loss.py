@@ -31,6 +31,13 @@ from memfit_trainer.run import Run
 from memfit_trainer.technique import Installed
 
 PYTORCH, LIGER, CUT_CROSS_ENTROPY = "pytorch", "liger-kernel", "cut-cross-entropy"
+SHIFT_LABELS = "shift_labels"
+"""A batch's labels already shifted (a chunk of a sequence split over ranks: memfit_trainer.sequence_parallel)."""
+GROUP_TARGETS = "num_items_in_batch"
+"""The target count a batch's summed loss is divided by, where it is not the batch's own (a chunk's: the whole
+sequence's). The names are ``transformers``' causal-LM loss arguments, so the model's own loss reads them too."""
+LOSS_ONLY = ("labels", SHIFT_LABELS, GROUP_TARGETS)
+"""Batch entries for the loss, not the decoder."""
 
 
 def _chunk_logits(
@@ -213,14 +220,15 @@ def causal_lm_loss(
     """The loss of ``batch`` with the LM head inside the loss: ``forward`` (the engine, the peft model or
     the model itself) runs the decoder and computes no logits (``logits_to_keep`` selects no position);
     the final norm's output is taken from the decoder and goes with the head's weight to the loss, gathered
-    first by ``gather_head`` where the forward left it sharded."""
+    first by ``gather_head`` where the forward left it sharded. A batch with :data:`GROUP_TARGETS` gets its
+    summed loss over that count (its mean scaled by its own targets over it)."""
     captured: list[torch.Tensor] = []
 
     def keep_output(module: Any, args: Any, output: Any) -> None:
         captured.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
 
     handle = text_decoder(causal_lm).register_forward_hook(keep_output)
-    inputs = {name: value for name, value in batch.items() if name != "labels"}
+    inputs = {name: value for name, value in batch.items() if name not in LOSS_ONLY}
     no_position = torch.empty(0, dtype=torch.long, device=batch["input_ids"].device)
     try:
         forward(**inputs, logits_to_keep=no_position)
@@ -230,7 +238,11 @@ def causal_lm_loss(
         gather_head()
     head = causal_lm.get_output_embeddings()
     softcap = getattr(causal_lm.config, "final_logit_softcapping", None)
-    return loss_function(captured[-1], head.weight, shift_labels(batch["labels"]), bias=head.bias, softcap=softcap)
+    targets = batch[SHIFT_LABELS] if SHIFT_LABELS in batch else shift_labels(batch["labels"])
+    loss = loss_function(captured[-1], head.weight, targets, bias=head.bias, softcap=softcap)
+    if GROUP_TARGETS not in batch:
+        return loss
+    return loss * (targets != IGNORE_INDEX).sum() / batch[GROUP_TARGETS]
 
 
 def install(run: Run) -> Installed | None:

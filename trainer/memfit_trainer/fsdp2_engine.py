@@ -55,6 +55,7 @@ from memfit.api.vocabulary import MasterWeights, Method, Precision
 from memfit.contract.engines import Fsdp2EngineSection
 from memfit.contract.reader import ConfigError
 from memfit.contract.trainer_config import TrainerConfig
+from memfit_trainer import sequence_parallel
 from memfit_trainer.checkpoint import DEEPSPEED_TAG
 from memfit_trainer.convert import load_universal_into_fsdp2
 from memfit_trainer.model import DTYPES, trains_adapters
@@ -142,6 +143,19 @@ def shard_model(config: TrainerConfig, model: torch.nn.Module, device: torch.dev
         _cast_for_sharding(model, torch.float32, trainable_only=lora)
     fully_shard(model, **options)
     return model
+
+
+def average_over_data_ranks(model: torch.nn.Module, data_ranks: int) -> None:
+    """Gradients averaged over the data-parallel ranks only: FSDP2 divides the world's sum by the world size, but
+    a sequence-parallel group's ranks hold parts of one gradient, which sum (memfit_trainer.sequence_parallel).
+    Reduced as a plain sum, divided after: FSDP2 would otherwise scale inside the reduction (PREMUL_SUM), which
+    only NCCL has."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(float(data_ranks))
+            module.set_force_sum_reduction_for_comms(True)
 
 
 class Fsdp2Engine:
@@ -271,6 +285,8 @@ def build_fsdp2_engine(
     local_rank = torch.cuda.current_device() if torch.cuda.is_available() else None
     device = torch.device("cuda", local_rank) if local_rank is not None else torch.device("cpu")
     sharded = shard_model(config, model, device)
+    if sequence_parallel.prepare(config, sharded) is not None:
+        average_over_data_ranks(sharded, dist.get_world_size() // training.sequence_parallel)
     params = [p for p in sharded.parameters() if p.requires_grad]
     schedule = warmup_cosine(total_steps, training.warmup_ratio)
     in_backward = isinstance(config.engine, Fsdp2EngineSection) and config.engine.optimizer_in_backward

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from memfit.api.vocabulary import Attention
 from memfit.contract.trainer_config import TrainerConfig
-from memfit_trainer import activation_offload, chunked_loss
+from memfit_trainer import activation_offload, chunked_loss, sequence_parallel, tiled_mlp
 from memfit_trainer.checkpoint import CheckpointManager
 from memfit_trainer.console import ConsoleProgress
 from memfit_trainer.data import DataPosition, flash_varlen_kwargs
@@ -44,6 +44,7 @@ from memfit_trainer.metrics import TrainerMetrics
 from memfit_trainer.model import build_model
 from memfit_trainer.oom import OomGuard
 from memfit_trainer.optimization import total_optimizer_steps
+from memfit_trainer.protocol_hold import wait_for
 from memfit_trainer.resume import check_layout, final_marker, find_start, resume, save_checkpoint
 from memfit_trainer.run import Ranks, Run
 from memfit_trainer.stop import StopRequest
@@ -51,11 +52,16 @@ from memfit_trainer.technique import BatchLoss, Technique
 from memfit_trainer.training_engine import TrainingEngine
 from memfit_trainer.validation import Validation, config_data, report_validation
 
-TECHNIQUES: tuple[Technique, ...] = (chunked_loss.install, activation_offload.install)
-"""Installed in this order (the order their lines appear in the log)."""
+TECHNIQUES: tuple[Technique, ...] = (
+    sequence_parallel.install,
+    chunked_loss.install,
+    activation_offload.install,
+    tiled_mlp.install,
+)
+"""Installed in this order (the order their lines appear in the log); their ``around`` wrappers wrap the loss in
+this order too (the first innermost)."""
 INJECT_OOM_ENV = "MEMFIT_TEST_INJECT_OOM_AT_STEP"
 HOLD_ENV = "MEMFIT_TEST_HOLD_AFTER_STEP"
-HOLD_POLL_SECONDS = 0.05
 
 
 def _inject_oom(step: int) -> None:
@@ -68,8 +74,7 @@ def _hold(step: int, stop: StopRequest) -> None:
     at, _, release = os.environ.get(HOLD_ENV, "").partition(":")
     if at != str(step) or not release:
         return
-    while not os.path.exists(release) and not stop.requested:
-        time.sleep(HOLD_POLL_SECONDS)
+    wait_for(release, given_up=lambda: stop.requested)
 
 
 def _checkpoint(run: Run, step: int, position: DataPosition, metrics: TrainerMetrics) -> None:
@@ -119,16 +124,22 @@ def _with_document_boundaries(config: TrainerConfig, loss_of: BatchLoss) -> Batc
 
 def _install_techniques(run: Run, progress: ConsoleProgress) -> tuple[BatchLoss, list[Callable[[], str]]]:
     """Every technique of :data:`TECHNIQUES` installed on ``run``: the micro-batch's loss, and the lines to say
-    at the end of the run."""
+    at the end of the run. The flash document boundaries are of the whole batch, before any technique's
+    ``around`` (sequence parallelism) shards it."""
     loss_of, summaries = _model_loss(run.engine), []
+    arounds: list[Callable[[BatchLoss], BatchLoss]] = []
     for install in TECHNIQUES:
         installed = install(run)
         if installed is None:
             continue
         progress.message(installed.said)
         loss_of = installed.loss or loss_of
+        if installed.around is not None:
+            arounds.append(installed.around)
         if installed.summary is not None:
             summaries.append(installed.summary)
+    for around in arounds:
+        loss_of = around(loss_of)
     return _with_document_boundaries(run.config, loss_of), summaries
 
 
@@ -176,7 +187,7 @@ def train(
     validation = Validation(held_out, engine.module, loss_of, device) if held_out is not None else None
     accumulation = training.gradient_accumulation_steps
     samples_per_rank = training.micro_batch_size * accumulation  # per optimizer step
-    tokens_per_rank = samples_per_rank * training.sequence_length
+    tokens_per_rank = samples_per_rank * training.sequence_length // training.sequence_parallel  # its chunks
     stream = batches.iterate(position)
     while step < total and not stop.agreed(device):
         started = time.monotonic()

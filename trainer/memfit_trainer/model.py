@@ -175,9 +175,18 @@ def packing_problem(config: TrainerConfig, hf_config: Any) -> str | None:
 
 def model_class_problem(config: TrainerConfig, hf_config: Any) -> str | None:
     """What the model class of ``hf_config`` cannot do that the config asks for (the attention kernel,
-    packing), in one line; None when nothing."""
+    packing, the heads' split over sequence-parallel ranks), in one line; None when nothing."""
+    from memfit_trainer.sequence_parallel import heads_problem  # it imports this module (through the run)
+
+    training = config.training
     problems = [
-        p for p in (attention_problem(hf_config, config.training.attention), packing_problem(config, hf_config)) if p
+        p
+        for p in (
+            attention_problem(hf_config, training.attention),
+            packing_problem(config, hf_config),
+            heads_problem(training.sequence_parallel, hf_config),
+        )
+        if p
     ]
     return "; ".join(problems) or None
 
@@ -204,10 +213,13 @@ def _load_base(config: TrainerConfig, local_rank: int) -> Any:
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM
 
+    from memfit_trainer.sequence_parallel import attn_implementation  # it imports this module (through the run)
+
     model_config, training = config.model, config.training
     kwargs: dict[str, Any] = {
         "dtype": torch.bfloat16 if training.method == Method.QLORA else DTYPES[training.precision],
-        "attn_implementation": ATTENTION[training.attention],  # flash-attn presence: see preflight
+        "attn_implementation": attn_implementation(training.attention, training.sequence_parallel)
+        or ATTENTION[training.attention],  # flash-attn presence: see preflight
     }
     hf_config = checked_config(config)
     if model_config.random_init:
@@ -302,8 +314,10 @@ def build_model(config: TrainerConfig, local_rank: int = 0) -> BuiltModel:
     if isinstance(deepspeed, DeepSpeedEngineSection) and deepspeed.zero_stage == 3 and training.method != Method.QLORA:
         from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
-        # From here on, models are built partitioned. (HfDeepSpeedConfig.__init__ is unannotated.)
-        zero3_context = HfDeepSpeedConfig(deepspeed.config)  # type: ignore[no-untyped-call]
+        # From here on, models are built partitioned. (HfDeepSpeedConfig.__init__ is unannotated.) zero.Init has no
+        # mpu: its batch-size check counts data ranks by the config's sequence-parallel size.
+        sp = {"sequence_parallel_size": training.sequence_parallel} if training.sequence_parallel > 1 else {}
+        zero3_context = HfDeepSpeedConfig({**deepspeed.config, **sp})  # type: ignore[no-untyped-call]
     model = _load_base(config, local_rank)
     model.train()  # from_pretrained returns it in eval mode: no dropout, and bitsandbytes' CPU inference repacking
     model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory

@@ -110,6 +110,11 @@ def _devices_problem(config: TrainerConfig) -> str | None:
     )
 
 
+def _has_flash_attention() -> bool:
+    """Whether this machine has the flash-attn package (the CUDA trainer image builds it; a CPU one cannot)."""
+    return importlib.util.find_spec("flash_attn") is not None
+
+
 def _precision_problem(precision: Precision) -> str | None:
     if precision == Precision.FP32:
         return None
@@ -171,6 +176,13 @@ def _model_class_problem(config: TrainerConfig) -> str | None:
         return str(error)
 
 
+def _sequence_parallel_problems(config: TrainerConfig) -> list[str]:
+    """What sequence parallelism cannot run with (the heads' split is the model class's problem)."""
+    from memfit_trainer.sequence_parallel import config_problems  # torch, only where the check runs
+
+    return config_problems(config)
+
+
 def check(config: TrainerConfig, environ: Mapping[str, str]) -> None:
     """Raise ConfigError naming every way ``config`` cannot run here."""
     training, data = config.training, config.data
@@ -204,7 +216,7 @@ def check(config: TrainerConfig, environ: Mapping[str, str]) -> None:
             f"model.architecture.vocabSize {architecture.vocab_size} is below the {BYTE_TOKENIZER_VOCAB} ids of "
             "the byte-level tokenizer random-init models use"
         )
-    if training.attention == Attention.FLASH and importlib.util.find_spec("flash_attn") is None:
+    if training.attention == Attention.FLASH and not _has_flash_attention():
         problems.append("training.attention is flash but the flash-attn package is not installed")
     flex = _flex_problem(config)
     if flex:
@@ -218,6 +230,7 @@ def check(config: TrainerConfig, environ: Mapping[str, str]) -> None:
         problems.append("qlora computes in bf16: set training.precision to bf16")
     problems.extend(_offload_problems(config))
     problems.extend(_fsdp2_problems(config))
+    problems.extend(_sequence_parallel_problems(config))
     port = _metrics_port_problem(config, environ)
     if port:
         problems.append(port)

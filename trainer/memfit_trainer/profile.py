@@ -334,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--termination-log",
         metavar="FILE",
-        help="also write the profile (base64 of the gzipped JSON) or the one-line error to FILE (a pod's "
+        help="also write the profile (base64 of the xz-compressed JSON) or the one-line error to FILE (a pod's "
         "termination message)",
     )
     args = parser.parse_args(argv)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HOLD_AT_ENV = "MEMFIT_TEST_HOLD_AT"
@@ -29,5 +30,10 @@ def hold_at(point: str, step: int) -> None:
     if wanted != point or at != str(step) or not release:
         return
     Path(release + ".held").touch()
-    while not os.path.exists(release):
+    wait_for(release)
+
+
+def wait_for(release: str, given_up: Callable[[], bool] = lambda: False) -> None:
+    """Poll until the file ``release`` exists (or ``given_up()``): the test's signal to go on."""
+    while not os.path.exists(release) and not given_up():
         time.sleep(POLL_SECONDS)

@@ -6,10 +6,10 @@ state (model, optimizer, LR schedule), the data position in the marker and each 
 the newest complete checkpoint is loaded, so a restarted pod continues with exactly the batches and random
 numbers the uninterrupted run would have used.
 
-The marker also records the world size and micro-batch size the data position counts in (``dataShape``): a
-checkpoint written at another world size (the fsdp2 engine's load at any) resumes at the same place in the
-data (:func:`~memfit_trainer.data.carry_position`). Where another layout (a re-plan, and perhaps back) wrote a
-newer checkpoint than this layout's newest, that one is converted where a conversion exists
+The marker also records the world size, micro-batch size and sequence-parallel degree the data position counts in
+(``dataShape``): a checkpoint written at another world size (the fsdp2 engine's load at any) or degree resumes at
+the same place in the data (:func:`~memfit_trainer.data.carry_position`). Where another layout (a re-plan, and
+perhaps back) wrote a newer checkpoint than this layout's newest, that one is converted where a conversion exists
 (:mod:`memfit_trainer.convert`), loaded by the engine
 (:meth:`~memfit_trainer.training_engine.TrainingEngine.load_converted`) and saved as this layout's at the same
 step before training goes on; where the final export is newer than any checkpoint the run can load (another
@@ -212,7 +212,7 @@ def _carried_position(checkpoint: Checkpoint, batches: PackedBatches) -> tuple[D
     position = DataPosition.from_dict(checkpoint.data_position)
     said = f"data position {position.to_dict()}"
     shape = checkpoint.marker.get("dataShape")
-    then = batches.blocks_per_step if shape is None else int(shape["worldSize"]) * int(shape["microBatchSize"])
+    then = batches.blocks_per_step if shape is None else blocks_per_step(shape)
     batches.check_resume(position, then, checkpoint.marker.get(DATA_FINGERPRINT))  # other data: refused
     if shape is None:
         return position, said
@@ -222,9 +222,17 @@ def _carried_position(checkpoint: Checkpoint, batches: PackedBatches) -> tuple[D
     if per_epoch is not None and position.micro_batch > per_epoch:
         position = DataPosition(position.epoch + 1, 0)
     if then != batches.blocks_per_step:
-        said += f" written at {shape['worldSize']} rank(s) x micro-batch {shape['microBatchSize']}, here "
+        sp = int(shape.get("sequenceParallel", 1))
+        over = f" (sequence parallel {sp})" if sp > 1 else ""
+        said += f" written at {shape['worldSize']} rank(s){over} x micro-batch {shape['microBatchSize']}, here "
         said += f"{position.to_dict()} ({skipped} block(s) skipped)"
     return position, said
+
+
+def blocks_per_step(shape: dict[str, Any]) -> int:
+    """The blocks one global micro-step took in a marker's ``dataShape``: a micro-batch per data-parallel rank,
+    the ``sequenceParallel`` ranks of a group sharing theirs (1 in markers from before it was recorded)."""
+    return int(shape["worldSize"]) // int(shape.get("sequenceParallel", 1)) * int(shape["microBatchSize"])
 
 
 def save_checkpoint(run: Run, step: int, position: DataPosition, converted_from: dict[str, Any] | None = None) -> None:
@@ -241,7 +249,8 @@ def save_checkpoint(run: Run, step: int, position: DataPosition, converted_from:
     dist.barrier()
     digest = seal(tmp, ranks.rank, ranks.world_size)
     if ranks.rank == 0:
-        shape = {"worldSize": ranks.world_size, "microBatchSize": training.micro_batch_size}
+        shape = {"worldSize": ranks.world_size, "microBatchSize": training.micro_batch_size,
+                 "sequenceParallel": training.sequence_parallel}  # fmt: skip
         origin = {} if converted_from is None else {"convertedFrom": converted_from}
         marker = {"dataPosition": position.to_dict(), "dataShape": shape, "layout": run.config.layout.to_dict(),
                   DATA_FINGERPRINT: run.batches.fingerprint, MANIFEST_KEY: digest}  # fmt: skip

@@ -1,4 +1,5 @@
-"""Training techniques that install themselves on a run (the chunked loss, activation offloading).
+"""Training techniques that install themselves on a run (sequence parallelism, the chunked loss, activation
+offloading).
 
 A technique is a function ``install(run)`` in its own module: it reads its switch in the config and returns
 ``None`` where it is off, else what it changes (:class:`Installed`). The loop calls every technique of its
@@ -15,7 +16,9 @@ import torch
 
 from memfit_trainer.run import Run
 
-BatchLoss = Callable[[dict[str, torch.Tensor]], torch.Tensor]
+Batch = dict[str, torch.Tensor]
+"""A micro-batch: the model's inputs and labels (:func:`memfit_trainer.data.model_inputs`)."""
+BatchLoss = Callable[[Batch], torch.Tensor]
 """A micro-batch's loss (the batch already on the engine's device)."""
 
 
@@ -27,6 +30,9 @@ class Installed:
     """One line for the log, when installed."""
     loss: BatchLoss | None = None
     """The micro-batch's loss in place of the model's own."""
+    around: Callable[[BatchLoss], BatchLoss] | None = None
+    """Wraps whichever loss the techniques chose: what happens to the batch before it (sequence parallelism
+    shards it) and to its value after."""
     summary: Callable[[], str] | None = None
     """One line for the log at the end of the run."""
 

@@ -108,9 +108,11 @@ def config_data(
     config: TrainerConfig, tokenizer: Any, rank: int, world_size: int
 ) -> tuple[PackedBatches, HeldOut | None]:
     """The training batches and, with ``data.validation``, the held-out ones, as rank ``rank`` of
-    ``world_size`` builds them from the trainer config (the loop's, and memfit_trainer.launch_check's)."""
+    ``world_size`` builds them from the trainer config (the loop's, and memfit_trainer.launch_check's): the ranks
+    of a sequence-parallel group build the same ones (each trains on its chunk of them)."""
     training = config.training
-    shape = BatchShape(training.sequence_length, training.micro_batch_size, rank, world_size, training.seed)
+    sp = training.sequence_parallel
+    shape = BatchShape(training.sequence_length, training.micro_batch_size, rank // sp, world_size // sp, training.seed)
     try:
         return training_and_validation(DataSource.from_config(config.data), tokenizer, config.data.validation, shape)
     except FileNotFoundError as error:  # a data directory without data files

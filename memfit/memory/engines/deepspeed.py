@@ -44,7 +44,7 @@ import math
 from dataclasses import dataclass
 
 from memfit.api.vocabulary import MasterWeights, Method, Offload, Optimizer, Precision
-from memfit.memory.activations import ActivationEstimate, pinned_host_bytes
+from memfit.memory.activations import ActivationEstimate, pinned_host_bytes, tiled_mlp_gradients
 from memfit.memory.engine import Moment
 from memfit.memory.setup import Adapters, StaticSetup
 from memfit.memory.sizes import BF16, FP32, FP64, NF4_BYTES_PER_PARAMETER, compute_bytes
@@ -292,7 +292,8 @@ class GradientTimeline:
     """When gradients appear in the backward pass (full fine-tuning; adapters' are negligible)."""
 
     head: int
-    """The LM head's weight gradient, made first."""
+    """Made before the last layer's worst point: the LM head's weight gradient (made first), and a tiled MLP's
+    weights' gradients (made whole at its first tile)."""
     missing_at_first_layer: int
     """Not yet made while the first layer back-propagates: its own and the (untied) embedding's."""
     tied_extra: int
@@ -300,15 +301,19 @@ class GradientTimeline:
     alive together."""
 
 
-def gradient_timeline(shape: PlannedModel, method: Method, precision: Precision) -> GradientTimeline:
+def gradient_timeline(
+    shape: PlannedModel, method: Method, precision: Precision, made_early: int = 0
+) -> GradientTimeline:
+    """``made_early``: bytes of a layer's gradients that already exist at its worst point (a tiled MLP's,
+    :func:`memfit.memory.activations.tiled_mlp_gradients`)."""
     if method != Method.FULL:
         return GradientTimeline(0, 0, 0)
     w = compute_bytes(precision)
     head = shape.vocab_size * shape.hidden_size * w
     embedding = 0 if shape.tie_word_embeddings else head
     return GradientTimeline(
-        head=head,
-        missing_at_first_layer=shape.layer_parameters * w + embedding,
+        head=head + made_early,
+        missing_at_first_layer=shape.layer_parameters * w - made_early + embedding,
         tied_extra=2 * head if shape.tie_word_embeddings else 0,
     )
 
@@ -381,4 +386,7 @@ class DeepSpeedMemory:
     def forward_backward(
         self, shape: PlannedModel, setup: StaticSetup, adapters: Adapters, states: ModelStates
     ) -> ZeroForwardBackward:
-        return ZeroForwardBackward(states.gradients, gradient_timeline(shape, setup.method, setup.precision))
+        made_early = tiled_mlp_gradients(shape, setup.method, setup.tiled_mlp, compute_bytes(setup.precision))
+        return ZeroForwardBackward(
+            states.gradients, gradient_timeline(shape, setup.method, setup.precision, made_early)
+        )

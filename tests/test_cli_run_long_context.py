@@ -1,0 +1,39 @@
+"""`memfit run --local` of examples/long-context end to end: a 4096-token job whose every sequence is split over
+the 2 CPU ranks (sequence parallelism, pinned in the example) with tiled MLPs trains to its final weights."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from memfit.contract.progress import read_progress
+from tests.trainer.runs import trainer_env
+
+pytestmark = pytest.mark.distributed
+EXAMPLE = Path(__file__).parent.parent / "examples" / "long-context"
+LOSS = re.compile(r"^step (\d+)/\d+ loss ([0-9.]+)", re.MULTILINE)
+
+
+def test_the_long_context_example_trains_split_over_two_ranks(tmp_path: Path) -> None:
+    shutil.copytree(EXAMPLE, tmp_path / "example", ignore=shutil.ignore_patterns("output"))
+    job_file = tmp_path / "example" / "job.yaml"
+    done = subprocess.run(
+        [sys.executable, "-m", "memfit.cli.main", "run", str(job_file), "--local", "--nproc", "2"],
+        env=trainer_env(), capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert " sp2 tiled-mlp " in output  # the plan keeps the pinned degree and the tiled MLP
+    assert "sequence parallel: each sequence split over 2 ranks" in output
+    assert "tiled MLP: 4 decoder MLPs run tiles" in output
+    losses = [float(loss) for _, loss in LOSS.findall(output)]
+    assert losses[-1] < losses[0] - 0.5, losses  # it learns (5.6 to 4.5 on this machine)
+    run_dir = tmp_path / "example" / "output" / "long-context"
+    progress = read_progress(run_dir / ".memfit" / "progress.json")
+    assert progress is not None and progress.step == 8
+    assert (run_dir / "final" / "model.safetensors").is_file()
