@@ -22,7 +22,7 @@ shared cores), before its first test: more than the suite's 900 s per test on a 
 from memfit.api.vocabulary import Attention, Method, Precision  # noqa: E402
 from memfit.cli.profile_command import _activation_facts  # noqa: E402
 from memfit.memory.activations import ActivationSetup, saved_per_layer  # noqa: E402
-from memfit.memory.profiled_activations import composed  # noqa: E402
+from memfit.memory.profiled_activations import AttentionHeads, composed  # noqa: E402
 from memfit.model_shape import ModelFamily, ModelShape  # noqa: E402
 from memfit.profile import ActivationProfile, ActivationTerm, ActivationTerms  # noqa: E402
 from memfit_trainer.activation_profile import (  # noqa: E402
@@ -40,7 +40,7 @@ from memfit_trainer.activation_profile import (  # noqa: E402
 
 WIDTHS = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2}
 WIDTHS = {**WIDTHS, "head_dim": 64, "vocab_size": 1024}
-QUERY_WIDTH = WIDTHS["num_attention_heads"] * WIDTHS["head_dim"]
+HEADS = AttentionHeads(WIDTHS["num_attention_heads"], WIDTHS["num_key_value_heads"], WIDTHS["head_dim"])
 TOKENS = (64, 128, 192, 256, 384)
 HELD_OUT = 320
 WINDOW = 64
@@ -136,7 +136,7 @@ def test_terms_are_exact_and_predict_a_held_out_count_and_a_whole_model(
     assert abs(predicted - whole.forward_end) <= 0.05 * whole.forward_end
     method = Method.FULL if setup == "full" else Method.LORA
     plan = ActivationSetup(method, Precision.BF16, False, 1, HELD_OUT, Attention(profile.attention))
-    peak = composed(traced, kinds, int(text.hidden_size), QUERY_WIDTH, plan).peak
+    peak = composed(traced, kinds, int(text.hidden_size), HEADS, plan).peak
     assert abs(peak - whole.peak) <= 0.05 * whole.peak, (peak, whole.peak)
 
 
@@ -260,7 +260,7 @@ def test_checkpointed_layers_compose_from_the_terms_within_5_percent_of_a_whole_
     whole = trace(text, kinds, HELD_OUT, profile.attention, checkpointed)
     method = Method.FULL if setup == "full" else Method.LORA
     plan = ActivationSetup(method, Precision.BF16, True, 1, HELD_OUT, Attention(profile.attention))
-    peak = composed(traced, kinds, int(text.hidden_size), QUERY_WIDTH, plan).peak
+    peak = composed(traced, kinds, int(text.hidden_size), HEADS, plan).peak
     assert abs(peak - whole.peak) <= 0.05 * whole.peak, (peak, whole.peak)
 
 
@@ -284,15 +284,13 @@ def test_offloaded_layers_compose_from_the_checkpointed_terms_within_5_percent_o
     plan = ActivationSetup(
         method, Precision.BF16, True, 1, HELD_OUT, Attention(profile.attention), activation_offloading=True
     )
-    deep, shallow = (
-        composed(traced, kinds, int(text.hidden_size), QUERY_WIDTH, plan) for kinds in (pattern * 2, pattern)
-    )
+    deep, shallow = (composed(traced, kinds, int(text.hidden_size), HEADS, plan) for kinds in (pattern * 2, pattern))
     assert abs(deep.peak - whole.peak) <= 0.05 * whole.peak, (deep.peak, whole.peak)
     deeper = pattern * 4  # LoRA keeps its first layer's input, and brings two back: few layers gain nothing
     kept = composed(
-        traced, deeper, int(text.hidden_size), QUERY_WIDTH, dataclasses.replace(plan, activation_offloading=False)
+        traced, deeper, int(text.hidden_size), HEADS, dataclasses.replace(plan, activation_offloading=False)
     )
-    moved = composed(traced, deeper, int(text.hidden_size), QUERY_WIDTH, plan)
+    moved = composed(traced, deeper, int(text.hidden_size), HEADS, plan)
     assert moved.peak < kept.peak and moved.host_bytes > 0 == kept.host_bytes
     if len(pattern) >= 4:  # both deep enough that a prefetch runs beside the last layer's backward
         assert deep.peak == shallow.peak
@@ -320,7 +318,7 @@ def test_the_chunked_loss_terms_compose_within_5_percent_of_a_whole_model_trace(
     plan = ActivationSetup(
         method, Precision.BF16, checkpointing, 1, HELD_OUT, Attention(profile.attention), chunked_loss=True
     )
-    peak = composed(traced, kinds, int(text.hidden_size), QUERY_WIDTH, plan).peak
+    peak = composed(traced, kinds, int(text.hidden_size), HEADS, plan).peak
     assert abs(peak - whole.peak) <= 0.05 * whole.peak, (peak, whole.peak)
 
 

@@ -474,6 +474,25 @@ def test_sequence_parallelism_splits_the_per_token_terms_not_the_mask() -> None:
     assert checkpointed.kept_between_layers == local * model.hidden_size * 2
 
 
+def test_more_ranks_than_key_value_heads_replicate_them() -> None:
+    """Llama-3.1-8B has 8 key/value heads: over 16 ranks Ulysses gives each rank a copy of one (a replication
+    factor of 2), so a layer keeps its keys' and values' chunk once more beside the query-sized copy."""
+    model = profiled("llama-3.1-8b")
+    profile = model.profile
+    tokens = 16 * 1024
+
+    def saved(ranks: int) -> int:
+        setup = dataclasses.replace(_setup(Method.FULL, False, tokens=tokens), sequence_parallel=ranks)
+        return model_activations(model, setup).saved_per_layer
+
+    local = tokens // 16
+    kv = profile.num_key_value_heads * profile.head_dim
+    layer = model.activations.full.layer("full_attention").saved
+    split = round(layer.per_token * local + layer.per_token_squared * tokens**2)
+    query = profile.num_attention_heads * profile.head_dim
+    assert saved(16) == split + local * (query + 2 * kv) * 2
+
+
 def test_tiled_mlps_spare_a_long_sequence_its_mlp_activations() -> None:
     """With the trainer's tiled MLP (traced at whole tiles) a layer keeps no intermediate-size tensors, and its
     backward holds one tile's: at 300K tokens on flash attention, a layer saves the MLP's 4·t·i bf16 values less,

@@ -104,18 +104,38 @@ def profiled_activations(model: ProfiledModel, setup: ActivationSetup) -> Activa
         assert tiled is not None and untiled is not None
         tiling = Tiling(tiled, untiled)
     profile = model.profile
-    query_width = profile.num_attention_heads * profile.head_dim
-    return composed(terms, profile.layer_types, model.hidden_size, query_width, setup, tiling)
+    heads = AttentionHeads(profile.num_attention_heads, profile.num_key_value_heads, profile.head_dim)
+    return composed(terms, profile.layer_types, model.hidden_size, heads, setup, tiling)
 
 
-def _layer(terms: LayerActivations, setup: ActivationSetup, query_width: int, tiling: Tiling | None) -> tuple[int, int]:
+@dataclass(frozen=True)
+class AttentionHeads:
+    """The full-attention layers' heads, which decide what sequence parallelism adds to a layer."""
+
+    query: int
+    key_value: int
+    head_dim: int
+
+    def split_extra(self, setup: ActivationSetup) -> int:
+        """What one attention layer holds more under sequence parallelism, per rank: the attention output's
+        re-partitioned copy (t x q), and, with more ranks than key/value heads, the keys and values Ulysses
+        replicates so that every rank gets one (``kv_replication_factor``)."""
+        tokens = setup.micro_batch_size * local_tokens(setup)
+        replicas = max(1, setup.sequence_parallel // self.key_value)
+        widths = self.query + 2 * (replicas - 1) * self.key_value
+        return tokens * widths * self.head_dim * setup.element_bytes
+
+
+def _layer(
+    terms: LayerActivations, setup: ActivationSetup, heads: AttentionHeads, tiling: Tiling | None
+) -> tuple[int, int]:
     """(saved, backward peak) of one layer of this type on one rank (module docstring)."""
     saved, peak = _rows(terms.saved, setup), _rows(terms.backward_peak, setup)
     if tiling is not None:
         saved_change, peak_change = tiling.change(terms.layer_type, setup)
         saved, peak = saved + saved_change, peak + peak_change
     if setup.sequence_parallel > 1 and terms.layer_type != LINEAR_ATTENTION:
-        gathered = setup.micro_batch_size * local_tokens(setup) * query_width * BF16
+        gathered = heads.split_extra(setup)
         if setup.gradient_checkpointing:
             peak += gathered
         else:
@@ -127,14 +147,13 @@ def composed(
     terms: ActivationTerms,
     kinds: tuple[str, ...],
     hidden_size: int,
-    query_width: int,
+    heads: AttentionHeads,
     setup: ActivationSetup,
     tiling: Tiling | None = None,
 ) -> ActivationEstimate:
-    """The moments of one micro-batch through decoder layers of these types on one rank (module docstring);
-    ``query_width`` is the attention layers' heads x head dim."""
+    """The moments of one micro-batch through decoder layers of these types on one rank (module docstring)."""
     distinct = dict.fromkeys(kinds)
-    layers = {kind: _layer(terms.layer(kind), setup, query_width, tiling) for kind in distinct}
+    layers = {kind: _layer(terms.layer(kind), setup, heads, tiling) for kind in distinct}
     saved = {kind: layers[kind][0] for kind in distinct}
     peak = {kind: layers[kind][1] for kind in distinct}
     between = setup.micro_batch_size * local_tokens(setup) * hidden_size * BF16

@@ -132,7 +132,7 @@ def test_full_finetuning_learns_and_checkpoints_fp32_masters(full_run: Reference
     assert final is not None and (final.step, final.total_steps, final.last_checkpoint_step) == (STEPS, STEPS, STEPS)
     written = marker(output, "full-bf16-fsdp2", STEPS)
     assert written["layout"] == LAYOUT
-    assert written["dataShape"] == {"worldSize": 2, "microBatchSize": 2}
+    assert written["dataShape"] == {"worldSize": 2, "microBatchSize": 2, "sequenceParallel": 1}
     dtypes = dcp_dtypes(checkpoints / "step-000016")
     params = {n: d for n, d in dtypes.items() if n.startswith("model.")}
     moments = {n: d for n, d in dtypes.items() if n.endswith((".exp_avg", ".exp_avg_sq"))}
@@ -258,7 +258,7 @@ def test_checkpoint_of_two_ranks_resumes_on_one_at_the_same_step_and_data(
     assert said.group(1) == "{'epoch': 0, 'microBatch': 4}" + carried
     final = marker(Path(one.output_dir), f"{two.training.method}-bf16-fsdp2", STEPS)
     reference = marker(reference_output, f"{two.training.method}-bf16-fsdp2", STEPS)
-    assert final["dataShape"] == {"worldSize": 1, "microBatchSize": 4 // micro_batches}
+    assert final["dataShape"] == {"worldSize": 1, "microBatchSize": 4 // micro_batches, "sequenceParallel": 1}
     assert reference["dataPosition"] == {"epoch": 0, "microBatch": STEPS}  # 16 steps x 4 blocks
     assert final["dataPosition"] == {"epoch": 0, "microBatch": micro_batches * STEPS}  # of 4 // micro_batches blocks
     losses = logged_losses(resumed.stdout)
