@@ -97,7 +97,10 @@ def report_config_error(error: str, path: str | Path = DEFAULT_TERMINATION_LOG) 
 
 def report_refusal(reason: TerminationReason, error: str, path: str | Path = DEFAULT_TERMINATION_LOG) -> None:
     """As :func:`report_config_error`, for another ``reason`` the run cannot go on for (a full disk)."""
-    print(f"{CONFIG_ERROR_PREFIX}{error}", file=sys.stderr, flush=True)
+    # One write, newline included: stderr writes through, so print's two writes (text, then newline) let two
+    # ranks refusing at once run their lines together.
+    sys.stderr.write(f"{CONFIG_ERROR_PREFIX}{error}\n")
+    sys.stderr.flush()
     with contextlib.suppress(OSError):
         write_termination_message(fitted_message({"reason": reason}, error), path)
 
