@@ -269,6 +269,29 @@ def _lighter_misses(m: re.Match[str], case: Case, result: PlanResult) -> bool:
     )
 
 
+SPLITTING_KNOBS = {"strategy.sequenceParallel": "sequence_parallel", "strategy.tiledMlp": "tiled_mlp"}
+
+
+@claim(
+    r"unpinned, (?P<knobs>strategy\.\w+(?: and strategy\.\w+)?) would fit it: (?P<summary>.+?) "
+    r"\((?P<speed>[\d,]+) tokens/s est\.\)$"
+)
+def _unpinned_splits(m: re.Match[str], case: Case, result: PlanResult) -> bool:
+    """Each named knob is pinned (off, or at a degree); with them left to the planner the job fits, on the quoted
+    plan, which sets each of them otherwise."""
+    names = [SPLITTING_KNOBS[knob] for knob in m["knobs"].split(" and ")]
+    pinned = case.spec.strategy
+    if any(getattr(pinned, name) is None or getattr(pinned, name) is True for name in names):
+        return False
+    chosen = case.plan(strategy=pinned.model_copy(update=dict.fromkeys(names))).chosen
+    return (
+        chosen is not None
+        and chosen.strategy.summary() == m["summary"]
+        and f"{chosen.throughput.tokens_per_second:,.0f}" == m["speed"]
+        and all(getattr(chosen.strategy, name) != getattr(pinned, name) for name in names)
+    )
+
+
 @claim(r"it needs (?P<gap>[\d.]+) GiB more per GPU: a GPU with at least (?P<gib>\d+) GiB would fit it$")
 def _bigger_gpu(m: re.Match[str], case: Case, result: PlanResult) -> bool:
     miss = nearest(result)

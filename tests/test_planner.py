@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from memfit.api.plan import current_identity
 from memfit.planner.search import PlanningError, plan_job
 from memfit.units import GIB
 from tests.planning_fixtures import (
@@ -148,6 +149,22 @@ def test_excluding_a_strategy_that_ran_out_of_memory_picks_another() -> None:
     assert first is not None
     second = plan_job(spec, [A100_NODE], exclude={first.strategy.identity()}).chosen
     assert second is not None and second.strategy != first.strategy
+
+
+def test_a_strategy_excluded_before_a_knob_existed_stays_excluded() -> None:
+    """``status.excludedStrategies`` written before sequenceParallel and tiledMlp existed (their identities lack
+    them) still exclude the strategy, which had them at their defaults; an identity naming an unknown knob
+    excludes nothing."""
+    spec = job("llama-2-7b", "full")
+    first = plan_job(spec, [A100_NODE]).chosen
+    assert first is not None and first.strategy.sequence_parallel == 1 and not first.strategy.tiled_mlp
+    older = ",".join(p for p in first.strategy.identity().split(",") if not p.startswith(("sequence_", "tiled_")))
+    assert current_identity(older) == first.strategy.identity() != older
+    second = plan_job(spec, [A100_NODE], exclude={older}).chosen
+    assert second is not None and second.strategy != first.strategy
+    unknown = first.strategy.identity() + ",warp_drive=True"
+    assert current_identity(unknown) == unknown
+    assert plan_job(spec, [A100_NODE], exclude={unknown}).chosen == first
 
 
 def test_longer_sequences_need_more_memory_and_checkpointing_saves_it() -> None:

@@ -16,6 +16,7 @@ from memfit_trainer import profile as profiler
 from tests.trainer.new_families import tiny_config
 
 
+@pytest.mark.slow  # profiles a model: about 9 s
 def test_the_profile_goes_to_the_termination_log_encoded(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = tmp_path / "model"
     model.mkdir()

@@ -186,11 +186,6 @@ RULES: tuple[Rule, ...] = (
         "8-bit optimizers run on the GPU; they cannot be combined with strategy.offloadOptimizer",
     ),
     Rule(
-        lambda k: bool(k.chunked_loss) and k.zero_stage == 3 and not _fsdp2(k),
-        "strategy.chunkedLoss needs zeroStage 0-2 on the deepspeed engine (ZeRO-3 partitions the LM head's weight, "
-        "which the chunked loss reads whole; fsdp2 gathers it for the loss)",
-    ),
-    Rule(
         lambda k: bool(k.activation_offloading) and k.gradient_checkpointing is False,
         "strategy.activationOffloading moves the saved inputs of checkpointed layers: it needs "
         "strategy.gradientCheckpointing true",

@@ -6,7 +6,7 @@ FineTuneJob, so scripts and the cluster see exactly the same fields.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from operator import attrgetter
 from typing import Any
 
@@ -132,6 +132,23 @@ class Strategy:
             parts.append("bf16-masters")
         parts += [f"mb{self.micro_batch_size}x{self.gradient_accumulation_steps}", self.precision, self.optimizer]
         return " ".join(parts) + f" on {self.nodes}x{self.gpus_per_node} {self.pool}"
+
+
+def current_identity(recorded: str) -> str:
+    """``recorded``, a :meth:`Strategy.identity` written by any memfit version, as this version writes it: a knob
+    added since takes its default (the value every strategy had before the knob existed), so that a strategy
+    excluded before an upgrade stays excluded. One naming a field this version lacks is returned unchanged (it
+    matches no strategy)."""
+    values = dict(part.split("=", 1) for part in recorded.split(",") if "=" in part)
+    parts = []
+    for known in fields(Strategy):
+        if known.name in values:
+            parts.append(f"{known.name}={values.pop(known.name)}")
+        elif known.default is not MISSING:
+            parts.append(f"{known.name}={known.default}")
+        else:
+            return recorded
+    return recorded if values else ",".join(parts)
 
 
 _STRATEGY_VALUES = attrgetter(*(field.name for field in fields(Strategy)))

@@ -211,7 +211,7 @@ class TrainingConfig(ApiModel):
     gradient_checkpointing: Annotated[bool, Strict()] = False
     attention: Attention = Attention.SDPA
     chunked_loss: Annotated[bool, Strict()] = False
-    """The LM head and the cross-entropy chunk by chunk (memfit_trainer.chunked_loss); on deepspeed ZeRO 0-2 only."""
+    """The LM head and the cross-entropy chunk by chunk (memfit_trainer.chunked_loss)."""
     activation_offloading: Annotated[bool, Strict()] = False
     """Checkpointed layers' saved inputs wait in pinned host memory (memfit_trainer.activation_offload)."""
     master_weights: MasterWeights = MasterWeights.FP32

@@ -116,8 +116,6 @@ class TrainerConfig(ApiModel):
             problems.append("qlora's 4-bit weights cannot be partitioned or offloaded (ZeRO-3, offload_param)")
         if t.optimizer in EIGHT_BIT_OPTIMIZERS and section.offload_optimizer != Offload.NONE:
             problems.append(f"{t.optimizer} keeps its 8-bit states on the GPU: it cannot be offloaded")
-        if t.chunked_loss and section.zero_stage == 3:
-            problems.append("training.chunkedLoss reads the LM head's weight whole: it cannot run under ZeRO-3")
         problems += conflicts(replace(self.knobs(), **dict.fromkeys(SAID_IN_DEEPSPEED_TERMS)))  # the techniques' rules
         if ds.optimizer is not None and section.optimizer_in_backward:
             problems.append(

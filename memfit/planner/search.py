@@ -44,7 +44,7 @@ from memfit.api.finetunejob import FineTuneJobSpec
 from memfit.api.gpupool import GPUPool, PoolCapacity, pool_capacity
 from memfit.api.knobs import Knobs
 from memfit.api.knobs import conflicts as knob_conflicts
-from memfit.api.plan import PlanCandidate, PlanResult, Strategy
+from memfit.api.plan import PlanCandidate, PlanResult, Strategy, current_identity
 from memfit.api.techniques import TECHNIQUES
 from memfit.api.vocabulary import (
     Attention,
@@ -246,13 +246,16 @@ def plan_job(
     (``memfit.profiled_model``), else the sizes ``spec.model.architecture`` types (:func:`planned_model`)."""
     started = time.perf_counter()
     capacities = selected_pools(spec, pools)
-    search = _search(spec, capacities, exclude, planned_model(spec, model))
+    search = _search(spec, capacities, {current_identity(known) for known in exclude}, planned_model(spec, model))
     fits = ranked(search.fits)
     candidates = [to_candidate(search.shape, fit) for fit in reported(fits)]
     nearest = nearest_first(list(search.nearest_misses.values()))[:MAX_REJECTED]
     misses = [to_miss(search.shape, search.sequence_length, miss) for miss in nearest]
     chosen = candidates[0] if candidates else None
-    advice = [] if chosen else advise(spec, misses, pools, search.untried, _lighter(search, capacities))
+    advice = []
+    if chosen is None:
+        unpinned = _unpinned_splits(spec, pools, exclude, model)
+        advice = advise(spec, misses, pools, search.untried, _lighter(search, capacities), unpinned)
     return PlanResult(
         chosen=chosen,
         why_chosen=why_chosen(spec, fits) if fits else None,
@@ -358,6 +361,27 @@ def _lighter(search: _Search, capacities: list[PoolCapacity]) -> dict[str, PlanC
         else:
             lighter[method] = None
     return lighter
+
+
+SPLITTING_PINS = {"sequence_parallel": "strategy.sequenceParallel", "tiled_mlp": "strategy.tiledMlp"}
+"""The knobs that split a sequence's activations (over GPUs; into tiles), by their spec names."""
+
+
+def _unpinned_splits(
+    spec: FineTuneJobSpec, pools: Sequence[GPUPool], exclude: Collection[str], model: PlannedModel | None
+) -> tuple[list[str], PlanCandidate] | None:
+    """When nothing fits and the spec pins the knobs that split a sequence's activations (one pinned off, or
+    sequence parallelism at a degree): the plan the planner finds with them unpinned, if one fits, and the pins
+    it sets otherwise."""
+    values = {name: getattr(spec.strategy, name) for name in SPLITTING_PINS}
+    pinned = [name for name, value in values.items() if value is not None and value is not True]  # 1 == True
+    if not pinned:
+        return None
+    unpinned = spec.model_copy(update={"strategy": spec.strategy.model_copy(update=dict.fromkeys(pinned))})
+    chosen = plan_job(unpinned, pools, exclude, model).chosen
+    if chosen is None:
+        return None
+    return [SPLITTING_PINS[name] for name in pinned if getattr(chosen.strategy, name) != values[name]], chosen
 
 
 def _methods(spec: FineTuneJobSpec) -> list[PlannedMethod]:

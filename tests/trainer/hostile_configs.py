@@ -176,12 +176,6 @@ def qlora_zero3(document: Document, _: Path) -> bytes:
     return encode(document)
 
 
-def chunked_loss_zero3(document: Document, _: Path) -> bytes:
-    document["training"]["chunkedLoss"] = True
-    document["engine"]["config"]["zero_optimization"] = {"stage": 3}
-    return encode(document)
-
-
 def eight_bit_offloaded(document: Document, _: Path) -> bytes:
     document["training"]["optimizer"] = "adamw8bit"
     document["engine"]["config"].pop("optimizer")
@@ -372,7 +366,6 @@ HOSTILE: tuple[Hostile, ...] = (
     Hostile("clipping-differs", setting("engine.config.gradient_clipping", 5.0), "gradient_clipping"),
     Hostile("betas-not-a-pair", setting("engine.config.optimizer.params.betas", [0.9]), "betas"),
     Hostile("qlora-under-zero3", qlora_zero3, "qlora"),
-    Hostile("chunked-loss-under-zero3", chunked_loss_zero3, "chunkedLoss"),
     Hostile("chunked-loss-as-string", setting("training.chunkedLoss", "true"), "chunkedLoss"),
     Hostile(
         "activation-offloading-without-checkpointing",

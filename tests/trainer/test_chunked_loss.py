@@ -11,6 +11,7 @@ from memfit.contract.sections import TrainingConfig
 from memfit.model_shape import ModelFamily, ModelShape
 from memfit_trainer.chunked_loss import (
     PYTORCH,
+    as_forward_of,
     causal_lm_loss,
     chunked_cross_entropy,
     select_kernel,
@@ -132,11 +133,33 @@ def test_lora_model_trains_only_the_adapters_through_the_chunked_loss() -> None:
             assert close(p.grad, expected_grads[n], torch.float32), n
 
 
-def test_the_config_refuses_the_chunked_loss_under_zero3(tmp_path) -> None:
-    config = make_config(tmp_path, stage=3).model_dump(by_alias=True)
-    config["training"]["chunkedLoss"] = True
-    with pytest.raises(ValueError, match="chunkedLoss"):
-        type(make_config(tmp_path)).model_validate(config)
-    config["engine"]["config"]["zero_optimization"]["stage"] = 2
-    assert type(make_config(tmp_path)).model_validate(config).training.chunked_loss
+def test_the_config_takes_the_chunked_loss_at_any_zero_stage(tmp_path) -> None:
+    for stage in (0, 2, 3):
+        assert make_config(tmp_path, stage=stage, offload=False, chunked_loss=True).training.chunked_loss
     assert TrainingConfig.model_fields["chunked_loss"].default is False
+
+
+def test_a_computation_runs_as_a_modules_forward_through_its_hooks() -> None:
+    """How ZeRO-3 gathers the LM head's weight for the loss (its hooks are the module's): the computation sees
+    what the pre-forward hook set up, the post-forward hook sees its output, and the module's own forward comes
+    back, also when the computation raises."""
+    head = torch.nn.Linear(4, 3)
+    seen: list[str] = []
+    head.register_forward_pre_hook(lambda module, args: seen.append("gathered"))
+    head.register_forward_hook(lambda module, args, output: seen.append(f"released after {output.tolist()}"))
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        seen.append("loss")
+        return x.sum()
+
+    assert as_forward_of(head, loss, torch.ones(2, 4)).item() == 8.0
+    assert seen == ["gathered", "loss", "released after 8.0"]
+    assert "forward" not in head.__dict__ and head(torch.ones(1, 4)).shape == (1, 3)  # the class's forward
+
+    def fails(x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("out of memory")
+
+    own = head.forward = lambda x: x  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="out of memory"):
+        as_forward_of(head, fails, torch.ones(1, 4))
+    assert head.forward is own

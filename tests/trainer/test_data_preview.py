@@ -60,6 +60,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureF
     assert main(["data", "preview", str(path), "-n", "0"]) == 2
 
 
+@pytest.mark.slow  # a chat template per family: about 6 s each
 @pytest.mark.parametrize("family_name", sorted(FAMILIES))
 def test_chat_preview_marks_only_assistant_tokens(
     family_name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]

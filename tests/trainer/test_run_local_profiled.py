@@ -99,6 +99,7 @@ def test_a_model_directory_without_typed_sizes_is_profiled_planned_and_trained(t
         assert config["training"]["attention"] == "eager"  # transformers has no SDPA for it
 
 
+@pytest.mark.slow  # memfit run starting the trainer: about 20 s
 def test_a_directory_holding_another_model_than_the_profiled_one_is_refused_before_training(tmp_path: Path) -> None:
     """Planned from the profile of one model, run on a directory now holding another: the trainer's preflight
     compares the profiled config fields with the directory's config.json (one line, exit 2 in a pod)."""

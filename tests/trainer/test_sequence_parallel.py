@@ -5,8 +5,9 @@ boundaries), the refusals, the data position's blocks per step. Two gloo CPU ran
 rank): the tiny llama's loss of packed documents (a boundary inside a chunk, one at the chunk's edge) and of
 right-padded unpacked rows, split against unsplit, within 1e-6, and the group's summed gradients within 1e-5 of
 the unsplit ones, full and LoRA; then through the trainer's engines (DeepSpeed ZeRO-1 with the groups as ``mpu``,
-fsdp2 with its divide factor) one optimizer step: the loss, the gradient norm before clipping (a factor of sp
-shows there) and the weights after the step equal the unsplit model's under the same AdamW step.
+DeepSpeed ZeRO-3 built partitioned with the chunked loss in the LM head, fsdp2 with its divide factor) one
+optimizer step: the loss, the gradient norm before clipping (a factor of sp shows there) and the weights after the
+step equal the unsplit model's under the same AdamW step.
 
 End to end (torchrun, fp32): ``memfit-train`` at SP 2 on 2 ranks logs the losses of 1 unsplit rank, on DeepSpeed
 and fsdp2; on DeepSpeed a run killed after a checkpoint resumes bit-identically at SP 2, and at SP 1 on the same
@@ -15,10 +16,12 @@ and fsdp2; on DeepSpeed a run killed after a checkpoint resumes bit-identically 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +33,13 @@ import torch.multiprocessing as mp
 from memfit.contract.engines import DeepSpeedEngineSection, Fsdp2EngineSection
 from memfit.contract.sections import TrainingConfig
 from memfit.contract.trainer_config import TrainerConfig
+from memfit.model_shape import ModelFamily
 from memfit_trainer.blocks import IGNORE_INDEX
 from memfit_trainer.chunked_loss import GROUP_TARGETS, SHIFT_LABELS, shift_labels
 from memfit_trainer.resume import blocks_per_step
 from memfit_trainer.sequence_parallel import config_problems, heads_problem, shard
 from tests.trainer.runs import (
+    TINY_LLAMA,
     assert_same_final_weights,
     logged_losses,
     make_config,
@@ -52,14 +57,14 @@ MAX_GRAD_NORM = 1.0
 
 def _config(
     tmp_path: Path, *, engine: str = "deepspeed", method: str = "full", micro_batch: int = 2, data_ranks: int = 1,
-    **training: Any,
+    stage: int = 1, **training: Any,
 ) -> TrainerConfig:  # fmt: skip
     """The tiny llama in fp32 on ``data_ranks`` groups of SP ranks (``sequence_parallel`` in ``training``, else
-    SP); DeepSpeed ZeRO-1 (its batch sizes count data ranks) or fsdp2, no offload."""
+    SP); DeepSpeed ZeRO-``stage`` (its batch sizes count data ranks) or fsdp2, no offload."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     run = {key: training.pop(key) for key in ("max_steps", "checkpoint_every", "name") if key in training}
-    config = make_config(tmp_path, engine=engine, method=method, offload=False, stage=1, max_grad_norm=MAX_GRAD_NORM,
-                         learning_rate=LEARNING_RATE, **run)  # fmt: skip
+    config = make_config(tmp_path, engine=engine, method=method, offload=False, stage=stage,
+                         max_grad_norm=MAX_GRAD_NORM, learning_rate=LEARNING_RATE, **run)  # fmt: skip
     section: DeepSpeedEngineSection | Fsdp2EngineSection = config.engine  # type: ignore[assignment]
     if engine == "deepspeed":
         ds = {key: value for key, value in config.engine.config.items() if key != "bf16"}  # type: ignore[union-attr]
@@ -156,6 +161,16 @@ def test_a_step_takes_one_micro_batch_per_data_rank() -> None:
     assert blocks_per_step({"worldSize": 4, "microBatchSize": 2, "sequenceParallel": 2}) == 4
 
 
+def test_a_rank_counts_its_share_of_each_sequence(tmp_path: Path) -> None:
+    """The samples and tokens metrics, summed over the ranks, count each sequence once."""
+    from memfit_trainer.loop import rank_share
+
+    split = _config(tmp_path / "split", micro_batch=2, gradient_accumulation_steps=3)
+    assert rank_share(split.training) == (3.0, 3 * split.training.sequence_length)  # 6 sequences over 2 ranks
+    unsplit = _config(tmp_path / "unsplit", micro_batch=2, sequence_parallel=1, gradient_accumulation_steps=3)
+    assert rank_share(unsplit.training) == (6.0, 6 * unsplit.training.sequence_length)
+
+
 def test_the_ranks_of_a_group_build_the_same_batches(tmp_path: Path) -> None:
     from memfit_trainer.model import build_tokenizer
     from memfit_trainer.validation import config_data
@@ -176,6 +191,34 @@ def _reference(model: Any) -> Any:
     reference = copy.deepcopy(model)
     reference.config._attn_implementation = "sdpa"
     return reference
+
+
+def _tied(config: TrainerConfig) -> TrainerConfig:
+    """The tiny model as Qwen2 with the LM head's weight the embedding's (one parameter, two modules)."""
+    shape = replace(TINY_LLAMA, family=ModelFamily.QWEN2, tie_word_embeddings=True)
+    return config.model_copy(update={"model": config.model.model_copy(update={"architecture": shape})})
+
+
+def _partitioned(config: TrainerConfig) -> bool:
+    return isinstance(config.engine, DeepSpeedEngineSection) and config.engine.zero_stage == 3
+
+
+def _whole(model: Any) -> Any:
+    """Gathers the weights of a model ZeRO-3 built partitioned (a no-op for any other)."""
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(model.parameters()))
+
+
+def _unsplit_reference(config: TrainerConfig, model: Any) -> Any:
+    """:func:`_reference` of ``model`` partitioned by ZeRO-3: its weights gathered into a model built whole."""
+    from memfit_trainer.model import build_model
+
+    with _whole(model):
+        weights = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    whole = build_model(config.model_copy(update={"engine": Fsdp2EngineSection()})).model
+    whole.load_state_dict(weights)
+    return _reference(whole)
 
 
 def _trainable(model: Any) -> dict[str, torch.Tensor]:
@@ -225,13 +268,14 @@ def _engine_step(config: TrainerConfig, batch: dict[str, torch.Tensor]) -> dict[
     from memfit_trainer.run import Ranks, Run
 
     model = build_model(config).model
-    reference = _reference(model)
+    reference = None if _partitioned(config) else _reference(model)
+    engine = build_engine(config, model, 10)
+    if reference is None:  # the weights the engine holds: ZeRO-3 took rank 0's adapters
+        reference = _unsplit_reference(config, engine.module)
     expected = reference(**batch).loss
     expected.backward()
     params = list(_trainable(reference).values())
     norm = torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM).item()
-
-    engine = build_engine(config, model, 10)
     torch.optim.AdamW(params, lr=engine.learning_rate, weight_decay=0.0).step()  # the schedule's first rate
     run = Run(config, Ranks(dist.get_rank(), 0, SP), engine, None, None)  # type: ignore[arg-type]
     chunked = chunked_loss.install(run)
@@ -244,9 +288,10 @@ def _engine_step(config: TrainerConfig, batch: dict[str, torch.Tensor]) -> dict[
 
     worst = 0.0
     references = _trainable(reference)
-    for name, param in _trainable(engine.module).items():
-        value = param.full_tensor() if isinstance(engine, Fsdp2Engine) else param  # type: ignore[attr-defined]
-        worst = max(worst, (value.detach() - references[name].detach()).abs().max().item())
+    with _whole(engine.module) if _partitioned(config) else contextlib.nullcontext():
+        for name, param in _trainable(engine.module).items():
+            value = param.full_tensor() if isinstance(engine, Fsdp2Engine) else param  # type: ignore[attr-defined]
+            worst = max(worst, (value.detach() - references[name].detach()).abs().max().item())
     assert engine.last_grad_norm is not None
     return {
         "loss": abs(loss.item() / expected.item() - 1),
@@ -278,6 +323,10 @@ def _rank(rank: int, directory: Path) -> None:
                 config = _config(own(f"{engine}-{method}"), engine=engine, method=method,
                                  chunked_loss=engine == "fsdp2" and method == "full")  # fmt: skip
                 results[f"{engine} {method}"] = _engine_step(config, packed)
+        for method, tied in (("full", False), ("lora", False), ("full", True)):  # last: ZeRO-3 builds partitioned
+            case = f"deepspeed zero3 chunked-loss {method}{' tied' if tied else ''}"
+            zero3 = _config(own(case.replace(" ", "-")), stage=3, method=method, chunked_loss=True)
+            results[case] = _engine_step(_tied(zero3) if tied else zero3, packed)
         (directory / f"rank{rank}.json").write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()

@@ -210,17 +210,34 @@ def text_decoder(causal_lm: Any) -> Any:
     return getattr(causal_lm, "model", decoder) if decoder is causal_lm else decoder
 
 
+def as_forward_of(module: torch.nn.Module, compute: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Any:
+    """``compute(x)`` run as ``module``'s forward, through the module's hooks: DeepSpeed's ZeRO-3 then gathers the
+    module's partitioned parameters for it and again before its backward, and releases them after each, exactly
+    as for the module's own forward (its hooks are registered on the module, not on what the forward does)."""
+    own = module.__dict__.get("forward")
+    module.forward = compute
+    try:
+        return module(x)
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
+
+
 def causal_lm_loss(
     forward: Callable[..., Any],
     causal_lm: Any,
     batch: Mapping[str, torch.Tensor],
     loss_function: LossFunction = chunked_cross_entropy,
     gather_head: Callable[[], Any] | None = None,
+    in_head: bool = False,
 ) -> torch.Tensor:
     """The loss of ``batch`` with the LM head inside the loss: ``forward`` (the engine, the peft model or
     the model itself) runs the decoder and computes no logits (``logits_to_keep`` selects no position);
     the final norm's output is taken from the decoder and goes with the head's weight to the loss, gathered
-    first by ``gather_head`` where the forward left it sharded. A batch with :data:`GROUP_TARGETS` gets its
+    first by ``gather_head`` where the forward left it sharded (FSDP2), or computed as the head module's forward
+    with ``in_head`` (DeepSpeed's ZeRO-3: :func:`as_forward_of`). A batch with :data:`GROUP_TARGETS` gets its
     summed loss over that count (its mean scaled by its own targets over it)."""
     captured: list[torch.Tensor] = []
 
@@ -239,7 +256,11 @@ def causal_lm_loss(
     head = causal_lm.get_output_embeddings()
     softcap = getattr(causal_lm.config, "final_logit_softcapping", None)
     targets = batch[SHIFT_LABELS] if SHIFT_LABELS in batch else shift_labels(batch["labels"])
-    loss = loss_function(captured[-1], head.weight, targets, bias=head.bias, softcap=softcap)
+
+    def head_loss(hidden: torch.Tensor) -> torch.Tensor:
+        return loss_function(hidden, head.weight, targets, bias=head.bias, softcap=softcap)
+
+    loss = as_forward_of(head, head_loss, captured[-1]) if in_head else head_loss(captured[-1])
     if GROUP_TARGETS not in batch:
         return loss
     return loss * (targets != IGNORE_INDEX).sum() / batch[GROUP_TARGETS]
@@ -247,9 +268,10 @@ def causal_lm_loss(
 
 def install(run: Run) -> Installed | None:
     """With ``training.chunked_loss``, the micro-batch's loss with the LM head inside it, its implementation
-    chosen once and said in the log. The config refuses it under DeepSpeed's ZeRO-3, which partitions the head's
-    weight; FSDP2's root (the head's group) resharded after the forward is gathered again for the loss (its
-    pre-backward hook would gather it next anyway, and its post-backward reduces the head's gradient)."""
+    chosen once and said in the log. FSDP2's root (the head's group) resharded after the forward is gathered again
+    for the loss (its pre-backward hook would gather it next anyway, and its post-backward reduces the head's
+    gradient); under DeepSpeed's ZeRO-3, which partitions the head's weight, the loss runs as the head's forward,
+    so that ZeRO-3 gathers the weight for it and its backward and reduces the head's gradient as the module's."""
     if not run.config.training.chunked_loss:
         return None
     engine = run.engine
@@ -257,7 +279,8 @@ def install(run: Run) -> Installed | None:
     causal_lm = unwrap_causal_lm(engine)
     root = getattr(engine, "module", None)
     gather_head = root.unshard if isinstance(root, FSDPModule) else None
+    in_head = hasattr(causal_lm.get_output_embeddings().weight, "ds_id")  # partitioned by DeepSpeed's ZeRO-3
     return Installed(
-        said=f"loss: chunked cross-entropy ({name})",
-        loss=lambda batch: causal_lm_loss(engine, causal_lm, batch, kernel, gather_head),
+        said=f"loss: chunked cross-entropy ({name}{', in the LM head under ZeRO-3' if in_head else ''})",
+        loss=lambda batch: causal_lm_loss(engine, causal_lm, batch, kernel, gather_head, in_head),
     )

@@ -95,18 +95,20 @@ class DeepSpeed:
     directory, without DeepSpeed's ``latest`` file (the marker of :mod:`memfit_trainer.checkpoint` says which
     checkpoint is complete), the frozen base of LoRA never in it."""
 
-    def __init__(self, engine: DeepSpeedEngine, lr_scheduler: LambdaLR, *, lora: bool) -> None:
+    def __init__(self, engine: DeepSpeedEngine, lr_scheduler: LambdaLR, *, lora: bool, backward_scale: int = 1) -> None:
         self.engine = engine
         self.lr_scheduler = lr_scheduler
         self.module: torch.nn.Module = engine.module
         self.device: torch.device = engine.device
         self.lora = lora
+        self.backward_scale = backward_scale
+        """What the loss is multiplied by for its backward only (:func:`zero3_sequence_scale`)."""
 
     def __call__(self, **inputs: torch.Tensor) -> Any:
         return self.engine(**inputs)
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.engine.backward(loss)
+        self.engine.backward(loss * self.backward_scale if self.backward_scale != 1 else loss)
 
     def step(self) -> None:
         self.engine.step()
@@ -209,6 +211,16 @@ def deepspeed_arch_list(value: str) -> str:
     return ";".join(dict.fromkeys(entry for entry in entries if entry))
 
 
+def zero3_sequence_scale(config: TrainerConfig) -> int:
+    """The factor that makes ZeRO-3 reduce a sequence's gradients as its other stages do. Each rank's loss is its
+    chunk's share of the sequence's (:mod:`memfit_trainer.sequence_parallel`), so a sequence's gradient is the sum
+    over its group. ZeRO-1/2 divide the summed gradients by world/sp (stage_1_and_2 ``sequence_parallel_size``), but
+    DeepSpeed's ZeRO-3 reduce-scatter (stage3 ``__avg_scatter_grads``, ``reduce_scatter_coalesced``) divides by
+    the whole world, sequence ranks included: 1/sp of the gradient. ``reduce_scatter`` is DeepSpeed's default (the
+    section cannot set it), so that is the path every ZeRO-3 reduction takes."""
+    return config.training.sequence_parallel if _section(config).zero_stage == 3 else 1
+
+
 def build_deepspeed_engine(
     config: TrainerConfig, model: torch.nn.Module, total_steps: int, *, converted: bool = False
 ) -> DeepSpeed:
@@ -238,4 +250,6 @@ def build_deepspeed_engine(
     )
     if in_backward:  # each gradient was all-reduced in its hook, and is gone
         engine.enable_backward_allreduce = False
-    return DeepSpeed(engine, scheduler, lora=trains_adapters(config.training.method))
+    return DeepSpeed(
+        engine, scheduler, lora=trains_adapters(config.training.method), backward_scale=zero3_sequence_scale(config)
+    )

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from memfit.api.vocabulary import Attention
+from memfit.contract.sections import TrainingConfig
 from memfit.contract.trainer_config import TrainerConfig
 from memfit_trainer import activation_offload, chunked_loss, sequence_parallel, tiled_mlp
 from memfit_trainer.checkpoint import CheckpointManager
@@ -106,6 +107,13 @@ def _check_finite(step: int, loss: float, grad_norm: float | None, started_from:
             f"step {step}: {' and '.join(bad)}: stopped before writing anything of it (the run started from "
             f"{origin}); lower training.learningRate or check the data"
         )
+
+
+def rank_share(training: TrainingConfig) -> tuple[float, int]:
+    """The samples and tokens one rank trains on per optimizer step: its chunk of each sequence, so that the
+    metrics summed over ranks count each sequence once also when it is split over sequence-parallel ranks."""
+    sequences = training.micro_batch_size * training.gradient_accumulation_steps
+    return sequences / training.sequence_parallel, sequences * training.sequence_length // training.sequence_parallel
 
 
 def _model_loss(engine: TrainingEngine) -> BatchLoss:
@@ -186,8 +194,7 @@ def train(
     loss_of, summaries = _install_techniques(run, progress)
     validation = Validation(held_out, engine.module, loss_of, device) if held_out is not None else None
     accumulation = training.gradient_accumulation_steps
-    samples_per_rank = training.micro_batch_size * accumulation  # per optimizer step
-    tokens_per_rank = samples_per_rank * training.sequence_length // training.sequence_parallel  # its chunks
+    samples_per_rank, tokens_per_rank = rank_share(training)
     stream = batches.iterate(position)
     while step < total and not stop.agreed(device):
         started = time.monotonic()

@@ -117,7 +117,8 @@ class TrainerMetrics:
             buckets=STEP_BUCKETS, registry=self.registry,
         ).labels(*self._labels)  # fmt: skip
         self._samples = Counter(
-            "memfit_train_samples", "Samples this rank trained on since its process started.", LABELS,
+            "memfit_train_samples", "Samples this rank trained on since its process started (a sequence split "
+            "over n ranks counts 1/n on each).", LABELS,
             registry=self.registry,
         ).labels(*self._labels)  # fmt: skip
         self._tokens = Counter(
@@ -252,7 +253,7 @@ class TrainerMetrics:
         loss: float,
         learning_rate: float,
         tokens: int,
-        samples: int,
+        samples: float,
         step_seconds: float,
     ) -> None:
         """Record one finished optimizer step (this rank's tokens and samples); rank 0 reports progress."""
