@@ -87,12 +87,18 @@ def test_an_odd_length_is_padded_to_the_ranks() -> None:
     assert (setup.tokens, setup.attended_length) == (1025, 4100)
 
 
-def test_the_trainer_cuts_the_tiles_the_model_counts() -> None:
-    pytest.importorskip("torch")
-    from memfit_trainer.tiled_mlp import mlp_tile_tokens as trainer_tile
+def test_the_trainer_cuts_the_tiles_the_model_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tile the trainer's tiled MLP hands its autograd Function for each input (meta tensors: no memory)."""
+    torch = pytest.importorskip("torch")
+    from memfit_trainer import tiled_mlp
 
+    tiles: list[int] = []
+    monkeypatch.setattr(tiled_mlp.TiledMlp, "apply", lambda forward, module, x, tile: tiles.append(tile) or x)
+    tiled_forward = tiled_mlp._tiled(torch.nn.Identity(), lambda x: x)
     cases = [(tokens, width) for tokens in (1, 511, 512, 513, 4096, 131_071) for width in (512, 4096)]
-    assert all(trainer_tile(tokens, width) == mlp_tile_tokens(tokens, width) for tokens, width in cases)
+    for tokens, width in cases:
+        tiled_forward(torch.empty(1, tokens, width, device="meta"))
+    assert tiles == [mlp_tile_tokens(tokens, width) for tokens, width in cases]
 
 
 @pytest.mark.slow

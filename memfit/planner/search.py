@@ -254,7 +254,7 @@ def plan_job(
     chosen = candidates[0] if candidates else None
     advice = []
     if chosen is None:
-        unpinned = _unpinned_splits(spec, pools, exclude, model)
+        unpinned = _unpinned_splits(search, capacities)
         advice = advise(spec, misses, pools, search.untried, _lighter(search, capacities), unpinned)
     return PlanResult(
         chosen=chosen,
@@ -367,20 +367,20 @@ SPLITTING_PINS = {"sequence_parallel": "strategy.sequenceParallel", "tiled_mlp":
 """The knobs that split a sequence's activations (over GPUs; into tiles), by their spec names."""
 
 
-def _unpinned_splits(
-    spec: FineTuneJobSpec, pools: Sequence[GPUPool], exclude: Collection[str], model: PlannedModel | None
-) -> tuple[list[str], PlanCandidate] | None:
+def _unpinned_splits(search: _Search, capacities: list[PoolCapacity]) -> tuple[list[str], PlanCandidate] | None:
     """When nothing fits and the spec pins the knobs that split a sequence's activations (one pinned off, or
-    sequence parallelism at a degree): the plan the planner finds with them unpinned, if one fits, and the pins
-    it sets otherwise."""
+    sequence parallelism at a degree): the plan the planner finds with them unpinned, if one fits (the one
+    ``plan_job`` would choose), and the pins it sets otherwise."""
+    spec = search.spec
     values = {name: getattr(spec.strategy, name) for name in SPLITTING_PINS}
     pinned = [name for name, value in values.items() if value is not None and value is not True]  # 1 == True
     if not pinned:
         return None
     unpinned = spec.model_copy(update={"strategy": spec.strategy.model_copy(update=dict.fromkeys(pinned))})
-    chosen = plan_job(unpinned, pools, exclude, model).chosen
-    if chosen is None:
+    fits = _search(unpinned, capacities, search.exclude, search.shape).fits
+    if not fits:
         return None
+    chosen = to_candidate(search.shape, ranked(fits)[0])
     return [SPLITTING_PINS[name] for name in pinned if getattr(chosen.strategy, name) != values[name]], chosen
 
 

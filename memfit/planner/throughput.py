@@ -51,17 +51,9 @@ def peak_flops(pool: PoolCapacity, precision: Precision) -> float:
     return pool.peak_flops_fp16
 
 
-def _collective_bandwidth(pool: PoolCapacity, strategy: Strategy) -> float:
-    """Bytes/s each GPU sees in a ring: NVLink/PCIe within a node, its share of the NICs across nodes."""
-    if strategy.nodes == 1:
-        return pool.intra_node_bytes_per_second
-    return min(pool.intra_node_bytes_per_second, pool.inter_node_bytes_per_second / strategy.gpus_per_node)
-
-
-def _all_to_all_bandwidth(pool: PoolCapacity, strategy: Strategy) -> float:
-    """Bytes/s each GPU sees in its sequence-parallel group: its ranks are contiguous, so within a node
-    while the group fits in one, else limited by the node's share of the NICs."""
-    if strategy.sequence_parallel <= strategy.gpus_per_node:
+def _bandwidth(pool: PoolCapacity, strategy: Strategy, across_nodes: bool) -> float:
+    """Bytes/s each GPU sees in a collective: NVLink/PCIe within a node, its share of the NICs across nodes."""
+    if not across_nodes:
         return pool.intra_node_bytes_per_second
     return min(pool.intra_node_bytes_per_second, pool.inter_node_bytes_per_second / strategy.gpus_per_node)
 
@@ -79,7 +71,8 @@ def _all_to_all_seconds(shape: PlannedModel, strategy: Strategy, pool: PoolCapac
     per_token = (2 * query_heads + 2 * max(kv_heads, degree)) * head_dim * compute_bytes(strategy.precision)
     passes = 2 + int(strategy.gradient_checkpointing)
     sent = shape.num_layers * passes * (degree - 1) / degree * local_tokens * per_token
-    return sent / _all_to_all_bandwidth(pool, strategy)
+    # A group's ranks are contiguous: within a node while the group fits in one.
+    return sent / _bandwidth(pool, strategy, across_nodes=degree > strategy.gpus_per_node)
 
 
 def tokens_per_step(strategy: Strategy, sequence_length: int) -> int:
@@ -92,7 +85,7 @@ def _communication_seconds(shape: PlannedModel, strategy: Strategy, pool: PoolCa
     if strategy.gpus == 1:
         return 0.0
     traffic = ENGINE_TRAFFIC[strategy.engine].communication_bytes(shape, strategy, trainable)
-    return traffic / _collective_bandwidth(pool, strategy)
+    return traffic / _bandwidth(pool, strategy, across_nodes=strategy.nodes > 1)  # a ring over every GPU
 
 
 def _offload_seconds(shape: PlannedModel, strategy: Strategy, pool: PoolCapacity, trainable: int) -> float:

@@ -22,11 +22,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 from memfit.contract.progress import read_progress
 from memfit.contract.reader import ConfigError
 from memfit.contract.trainer_config import TrainerConfig
+from memfit.memory.activations import mlp_tile_tokens
 from memfit.model_shape import ModelFamily, ModelShape
 from memfit_trainer import activation_offload, tiled_mlp
 from memfit_trainer.activation_offload import offload_activations
 from memfit_trainer.hf_config import transformers_config
-from memfit_trainer.tiled_mlp import dense_mlps, mlp_tile_tokens, tile_mlps
+from memfit_trainer.tiled_mlp import dense_mlps, tile_mlps
 from tests.trainer.runs import TINY_LLAMA, KilledRuns, make_config, run_held_and_killed, write_config
 
 HIDDEN, INTERMEDIATE = 16, 48

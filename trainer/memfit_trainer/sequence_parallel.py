@@ -17,9 +17,11 @@ The loss (:func:`sequence_mean`): each rank computes its chunk's summed cross-en
 target count, so the SP group's gradients *sum* to the unsplit model's, and the value returned is the sequence's
 mean (the same on every rank of the group: the loop's logging, validation and NaN check are unchanged). The
 engines then average over data-parallel ranks only: DeepSpeed divides the world's sum by ``world / sp`` when given
-the groups as ``mpu``; FSDP2 is told that divide factor. Not DeepSpeed's ``UlyssesSPDataLoaderAdapter`` (it
-consumes one loader batch per ``sp`` micro-steps, which breaks the data position arithmetic of a resume) nor its
-``TiledFusedLogitsLoss`` (its head gradient ignores any scaling of the loss).
+the groups as ``mpu`` (but for ZeRO-3's reduce-scatter, which divides by the world: the loss is scaled by sp for its
+backward, ``memfit_trainer.deepspeed_engine.zero3_sequence_scale``); FSDP2 is told that divide factor. Not
+DeepSpeed's ``UlyssesSPDataLoaderAdapter`` (it consumes one loader batch per ``sp`` micro-steps, which breaks the
+data position arithmetic of a resume) nor its ``TiledFusedLogitsLoss`` (its head gradient ignores any scaling of
+the loss).
 """
 
 from __future__ import annotations

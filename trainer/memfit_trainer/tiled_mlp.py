@@ -37,7 +37,6 @@ tokens, so ranks would cut different tiles, and ``transformers`` 5 fuses the exp
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -46,6 +45,7 @@ import torch
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from memfit.contract.reader import ConfigError
+from memfit.memory.activations import mlp_tile_tokens  # the memory model counts the same tiles
 from memfit_trainer.chunked_loss import text_decoder, unwrap_causal_lm
 from memfit_trainer.run import Run
 from memfit_trainer.technique import Installed
@@ -60,12 +60,6 @@ DS_GRAD_IS_READY = "ds_grad_is_ready"
 MlpForward = Callable[[torch.Tensor], torch.Tensor]
 RandomState = tuple[torch.Tensor, list[int], list[torch.Tensor]]
 """The CPU generator's state, and the accelerator devices' ids and states (``torch.utils.checkpoint``'s)."""
-
-
-def mlp_tile_tokens(tokens: int, width: int) -> int:
-    """Tokens per tile for ``tokens`` tokens of ``width`` features: ``ceil(tokens / width)`` tiles as equal as
-    they can be (the last one shorter), so a tile holds at most about ``width`` tokens."""
-    return math.ceil(tokens / math.ceil(tokens / width))
 
 
 def _random_state(x: torch.Tensor) -> RandomState:
