@@ -59,7 +59,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from memfit.api.vocabulary import Attention, Engine, Method, PlannedPrecision, Precision
+from memfit.api.vocabulary import ATTN_IMPLEMENTATION, Attention, Engine, Method, PlannedPrecision, Precision
 from memfit.contract.engines import DeepSpeedEngineSection, Fsdp2EngineSection
 from memfit.contract.sections import DataConfig, MetricsConfig, ModelConfig, TrainingConfig
 from memfit.contract.trainer_config import TrainerConfig
@@ -225,7 +225,7 @@ def bare_worker(config_path: Path, out: Path) -> int:
     from transformers import AutoModelForCausalLM
 
     from memfit_trainer.hf_config import transformers_config
-    from memfit_trainer.model import ATTENTION, DTYPES
+    from memfit_trainer.model import DTYPES
 
     config = TrainerConfig.model_validate(json.loads(config_path.read_text()))
     training, architecture = config.training, config.model.architecture
@@ -243,7 +243,7 @@ def bare_worker(config_path: Path, out: Path) -> int:
     model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]  # unannotated in transformers
         transformers_config(architecture),
         dtype=DTYPES[training.precision],
-        attn_implementation=ATTENTION[training.attention],
+        attn_implementation=ATTN_IMPLEMENTATION[training.attention],
     )
     model.config.use_cache = False
     step = (_fsdp2_step if config.engine.kind == Engine.FSDP2 else _deepspeed_step)(config, model)

@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from calibration.flex_reference import flex_reference_on_cpu
-from memfit.api.vocabulary import Attention, Method, Optimizer, Precision
+from memfit.api.vocabulary import ATTN_IMPLEMENTATION, Attention, Method, Optimizer, Precision
 from memfit.model_shape import ModelShape
 from memfit_trainer.activation_offload import offload_activations
 from memfit_trainer.blocks import one_per_row, pack
@@ -59,7 +59,6 @@ from memfit_trainer.fake_trace import (
     transient,
 )
 from memfit_trainer.hf_config import transformers_config
-from memfit_trainer.model import ATTENTION
 
 Dtype = Literal[Precision.BF16, Precision.FP32]
 TracedAttention = Literal[Attention.SDPA, Attention.EAGER, Attention.FLEX]
@@ -116,7 +115,7 @@ def _build_model(
     with torch.device("meta"):
         # (transformers' from_config is unannotated.)
         model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
-            config, attn_implementation=ATTENTION[attention], dtype=_TORCH_DTYPES[dtype]
+            config, attn_implementation=ATTN_IMPLEMENTATION[attention], dtype=_TORCH_DTYPES[dtype]
         )
         if trainable == Method.LORA:
             from peft import LoraConfig, get_peft_model

@@ -15,12 +15,10 @@ import math
 from collections import Counter
 from functools import cached_property
 
-from memfit.api.vocabulary import ALL_LINEAR, Attention, Method, Precision
+from memfit.api.vocabulary import ALL_LINEAR, ATTN_IMPLEMENTATION, Attention, Method, Precision
 from memfit.planned_model import TensorCounts, model_flops
 from memfit.profile import ActivationProfile, LoraResolution, ModelProfile, Role
 
-KERNEL_NAMES = {Attention.FLASH: "flash_attention_2", Attention.FLEX: "flex_attention"}
-"""transformers' ``attn_implementation`` of the kernels whose name there differs from memfit's."""
 WINDOWED = ("sliding", "chunked")
 """Layer types whose attention a window bounds (sliding windows, Llama 4's chunked attention)."""
 LINEAR_ATTENTION = "linear_attention"
@@ -226,7 +224,7 @@ class ProfiledModel:
         """Whether flash attention can be planned: the class implements it, and its setups were traced without a
         mask on SDPA, whose ``is_causal`` path saves what flash saves (its output and log-sum-exp; flash takes
         packed documents as boundaries, not as a mask). Traced on eager, an unmasked row still holds the scores."""
-        flash = KERNEL_NAMES[Attention.FLASH] in self.profile.attention_kernels
+        flash = ATTN_IMPLEMENTATION[Attention.FLASH] in self.profile.attention_kernels
         return flash and self.activations.attention == Attention.SDPA.value and self.activations.unmasked is not None
 
     def method_problem(self, method: Method) -> str | None:
@@ -242,7 +240,7 @@ class ProfiledModel:
         if precision == Precision.FP32:
             return f"training.precision fp32: the profile of {self.profile.architecture} traced 16-bit activations"
         kernels = self.profile.attention_kernels
-        if attention is not None and KERNEL_NAMES.get(attention, attention.value) not in kernels:
+        if attention is not None and ATTN_IMPLEMENTATION[attention] not in kernels:
             return f"strategy.attention {attention.value}: {self.profile.architecture} supports {', '.join(kernels)}"
         traced = self.activations.attention
         if attention == Attention.FLASH and not self.plans_flash:

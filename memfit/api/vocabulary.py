@@ -99,6 +99,16 @@ class Attention(StrEnum):
     ``BlockMask`` of 128x128 tiles, not a dense mask. CUDA only: torch has no flex backward on the CPU."""
 
 
+ATTN_IMPLEMENTATION: dict[Attention, str] = {
+    Attention.SDPA: "sdpa",
+    Attention.EAGER: "eager",
+    Attention.FLASH: "flash_attention_2",
+    Attention.FLEX: "flex_attention",
+}
+"""``transformers``' name of each kernel (``attn_implementation``, and the kernels a profile says a model class
+implements)."""
+
+
 class TrainOn(StrEnum):
     """Which tokens of a record are training targets (``dataset.trainOn``)."""
 

@@ -94,14 +94,20 @@ class ActivationSetup:
     """Each MLP runs tile by tile along the sequence, recomputed in backward (the trainer's tiled_mlp)."""
 
     @property
+    def row_tokens(self) -> int:
+        """Tokens of one row a rank holds: the whole sequence, or its ``ceil(s / n)`` positions under sequence
+        parallelism."""
+        return -(-self.sequence_length // self.sequence_parallel)
+
+    @property
     def tokens(self) -> int:
-        """Tokens one rank holds: its ``ceil(s / n)`` positions of each row under sequence parallelism."""
-        return self.micro_batch_size * -(-self.sequence_length // self.sequence_parallel)
+        """Tokens one rank holds: its :attr:`row_tokens` of each row of the micro-batch."""
+        return self.micro_batch_size * self.row_tokens
 
     @property
     def attended_length(self) -> int:
         """Positions attention sees: the whole sequence, padded to a multiple of the ranks it is split over."""
-        return self.sequence_parallel * -(-self.sequence_length // self.sequence_parallel)
+        return self.sequence_parallel * self.row_tokens
 
     @property
     def element_bytes(self) -> int:

@@ -66,11 +66,6 @@ class Tiling:
         )
 
 
-def local_tokens(setup: ActivationSetup) -> int:
-    """Tokens of one row a rank holds: the whole sequence, or its share of it under sequence parallelism."""
-    return -(-setup.sequence_length // setup.sequence_parallel)
-
-
 def _rows(term: ActivationTerm, setup: ActivationSetup) -> int:
     """The term for the micro-batch's rows (traced on one row) on one rank.
 
@@ -79,7 +74,7 @@ def _rows(term: ActivationTerm, setup: ActivationSetup) -> int:
     never under). Under sequence parallelism a solved form's per-token part counts the rank's tokens and its
     quadratic part the whole sequence; where the rank's tokens are below where the form holds, the whole sequence
     is counted (never under)."""
-    rows, sequence, local = setup.micro_batch_size, setup.sequence_length, local_tokens(setup)
+    rows, sequence, local = setup.micro_batch_size, setup.sequence_length, setup.row_tokens
     if not term.exact:
         return term.bytes(rows * local)
     constant = round(term.constant)
@@ -120,7 +115,7 @@ class AttentionHeads:
         """What one attention layer holds more under sequence parallelism, per rank: the attention output's
         re-partitioned copy (t x q), and, with more ranks than key/value heads, the keys and values Ulysses
         replicates so that every rank gets one (``kv_replication_factor``)."""
-        tokens = setup.micro_batch_size * local_tokens(setup)
+        tokens = setup.tokens
         replicas = max(1, setup.sequence_parallel // self.key_value)
         widths = self.query + 2 * (replicas - 1) * self.key_value
         return tokens * widths * self.head_dim * setup.element_bytes
@@ -156,7 +151,7 @@ def composed(
     layers = {kind: _layer(terms.layer(kind), setup, heads, tiling) for kind in distinct}
     saved = {kind: layers[kind][0] for kind in distinct}
     peak = {kind: layers[kind][1] for kind in distinct}
-    between = setup.micro_batch_size * local_tokens(setup) * hidden_size * BF16
+    between = setup.tokens * hidden_size * BF16
     offloading = setup.gradient_checkpointing and setup.activation_offloading
     moved = offloaded_layers(setup, len(kinds)) if offloading else 0
     kept = sum(saved[kind] for kind in kinds) - moved * between

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from memfit.api.vocabulary import ALL_LINEAR, Attention, Engine, Method, Precision
+from memfit.api.vocabulary import ALL_LINEAR, ATTN_IMPLEMENTATION, Attention, Engine, Method, Precision
 from memfit.contract.engines import DeepSpeedEngineSection
 from memfit.contract.model_match import fields_mismatch, shape_mismatch
 from memfit.contract.reader import ConfigError
@@ -34,13 +34,6 @@ DTYPES: dict[Precision, torch.dtype] = {
     Precision.FP16: torch.float16,
     Precision.FP32: torch.float32,
 }
-ATTENTION: dict[Attention, str] = {
-    Attention.SDPA: Attention.SDPA.value,
-    Attention.EAGER: Attention.EAGER.value,
-    Attention.FLASH: "flash_attention_2",
-    Attention.FLEX: "flex_attention",
-}
-"""``transformers``' ``attn_implementation`` for each attention kernel."""
 ATTENTION_SUPPORT: dict[Attention, tuple[str, ...]] = {
     Attention.SDPA: ("_supports_sdpa",),
     Attention.FLASH: ("_supports_flash_attn", "_supports_flash_attn_2"),
@@ -124,8 +117,8 @@ def attention_problem(hf_config: Any, attention: Attention) -> str | None:
         return None
     supported = ", ".join(kernel.value for kernel in Attention if implements_attention(cls, kernel))
     return (
-        f"training.attention {attention.value}: transformers implements no {ATTENTION[attention]} attention for "
-        f"{cls.__name__} (model_type {hf_config.model_type}); set it to one it implements: {supported}"
+        f"training.attention {attention.value}: transformers implements no {ATTN_IMPLEMENTATION[attention]} attention "
+        f"for {cls.__name__} (model_type {hf_config.model_type}); set it to one it implements: {supported}"
     )
 
 
@@ -219,7 +212,7 @@ def _load_base(config: TrainerConfig, local_rank: int) -> Any:
     kwargs: dict[str, Any] = {
         "dtype": torch.bfloat16 if training.method == Method.QLORA else DTYPES[training.precision],
         "attn_implementation": attn_implementation(training.attention, training.sequence_parallel)
-        or ATTENTION[training.attention],  # flash-attn presence: see preflight
+        or ATTN_IMPLEMENTATION[training.attention],  # flash-attn presence: see preflight
     }
     hf_config = checked_config(config)
     if model_config.random_init:

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from memfit.api.vocabulary import TerminationReason
+from memfit.api.vocabulary import ATTN_IMPLEMENTATION, Attention, TerminationReason
 from memfit.contract.profile_message import ProfileMessageError, encode_profile_message
 from memfit.contract.sections import LoraConfig
 from memfit.contract.termination import fitted_message, write_termination_message
@@ -46,9 +46,9 @@ FULL_ATTENTION = "full_attention"
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 EXPERTS_PER_TOKEN_KEYS = ("num_experts_per_tok", "top_k_experts", "experts_per_token")
 KERNEL_FLAGS = (
-    ("_supports_sdpa", "sdpa"),
-    ("_supports_flash_attn", "flash_attention_2"),
-    ("_supports_flex_attn", "flex_attention"),
+    ("_supports_sdpa", ATTN_IMPLEMENTATION[Attention.SDPA]),
+    ("_supports_flash_attn", ATTN_IMPLEMENTATION[Attention.FLASH]),
+    ("_supports_flex_attn", ATTN_IMPLEMENTATION[Attention.FLEX]),
 )
 
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from memfit.api.vocabulary import Attention, Method
+from memfit.api.vocabulary import ATTN_IMPLEMENTATION, Attention, Method
 from memfit.contract.trainer_config import TrainerConfig
 from memfit_trainer.blocks import IGNORE_INDEX
 from memfit_trainer.chunked_loss import GROUP_TARGETS, SHIFT_LABELS, shift_labels
@@ -44,7 +44,7 @@ from memfit_trainer.technique import Batch, BatchLoss, Installed
 SP_SDPA = "memfit_sdpa_documents"
 """The attention kernel of SDPA under sequence parallelism (registered with ``transformers`` by
 :func:`attn_implementation`)."""
-CORE: dict[Attention, str] = {Attention.SDPA: SP_SDPA, Attention.FLASH: "flash_attention_2"}
+CORE: dict[Attention, str] = {Attention.SDPA: SP_SDPA, Attention.FLASH: ATTN_IMPLEMENTATION[Attention.FLASH]}
 """The kernel Ulysses wraps, for each attention it can split."""
 FLASH_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 """The documents' boundaries a flash batch carries (:func:`~memfit_trainer.data.flash_varlen_kwargs`)."""
