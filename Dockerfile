@@ -93,11 +93,12 @@ RUN DS_BUILD_CPU_ADAM=1 DS_BUILD_FUSED_ADAM=1 DS_BUILD_AIO=1 DS_BUILD_SHM_COMM=1
       built = ('cpu_adam', 'fused_adam', 'async_io') + (('deepspeed_shm_comm',) if '${TRAINER_VARIANT}' == 'cpu' else ()); \
       assert all(ops[op] for op in built), ops" \
  && useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin memfit
-# flash-attention 2 (CUDA image only): the planner plans it for profiled models on Ampere or later GPUs, where
-# it holds no attention mask (long packed sequences, and sequence parallelism, which cannot split flex's mask).
-# Compiled by the devel base's nvcc for the same architectures.
-RUN [ "${TRAINER_VARIANT}" != cuda ] \
- || MAX_JOBS=4 TORCH_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0" python -m pip install --no-build-isolation "flash-attn>=2.7,<3"
+# Kernel packages beyond torch (memfit.api.runtime), none by default: flash-attn compiles for hours with the
+# devel base's nvcc. Built with e.g. KERNEL_PACKAGES="flash-attn>=2.7,<3", the chart's trainer.kernelPackages
+# must name them, so that the planner plans their kernels (it plans only kernels the trainer has).
+ARG KERNEL_PACKAGES=""
+RUN [ -z "${KERNEL_PACKAGES}" ] \
+ || MAX_JOBS=4 TORCH_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0" python -m pip install --no-build-isolation ${KERNEL_PACKAGES}
 # memfit itself, without its dependencies (the layer above; pip check fails the build if one is unmet).
 COPY pyproject.toml README.md ./
 COPY memfit ./memfit

@@ -336,10 +336,11 @@ def case_mismatch(case: Case, strategy: Strategy, ranks: int) -> str | None:
 def plan_case(job: FineTuneJob, pool: GPUPool, ranks: int) -> PlanResult:
     """Plan ``job`` on ``pool`` exactly as ``memfit run --local`` does (its resources narrowed to the pool and
     the rank count)."""
+    from memfit.api.runtime import Runtime
     from memfit.planner.search import plan_job
 
     resources = job.spec.resources.model_copy(update={"pool": pool.metadata.name, "max_gpus": ranks})
-    return plan_job(job.spec.model_copy(update={"resources": resources}), [pool])
+    return plan_job(job.spec.model_copy(update={"resources": resources}), [pool], runtime=Runtime.local())
 
 
 def why_not(result: PlanResult) -> str:

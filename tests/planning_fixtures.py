@@ -7,6 +7,7 @@ from typing import Any
 
 from memfit.api.finetunejob import FineTuneJobSpec
 from memfit.api.gpupool import GPUPool
+from memfit.api.runtime import Runtime
 from memfit.api.vocabulary import Method
 from memfit.model_shape import ModelFamily, ModelShape
 
@@ -41,6 +42,10 @@ def unvalidated_job(preset: str, method: str, batch: int = 32, **pins: dict[str,
     }
     return valid.model_copy(update={"method": Method(method), **parts})
 
+
+WITH_FLASH_ATTN = Runtime.of(["flash-attn"])
+"""A trainer with flash-attn installed (an image built with the Dockerfile's KERNEL_PACKAGES): what plans that
+pin or choose flash attention need."""
 
 A100_NODE = pool("a100", "NVIDIA-A100-SXM4-80GB", 8, 1, 1000)
 A100_4_NODES = pool("a100", "NVIDIA-A100-SXM4-80GB", 8, 4, 1000)

@@ -19,6 +19,7 @@ from memfit.api.finetunejob import FineTuneJobSpec
 from memfit.api.gpupool import GPUPool, PoolCapacity, pool_capacity
 from memfit.api.plan import PlanCandidate, PlanResult, RejectedCandidate
 from memfit.api.vocabulary import EIGHT_BIT_OPTIMIZERS, Method, StepPhase
+from memfit.planner.defaults import DEFAULT_CHANGES
 from memfit.planner.search import plan_job
 from memfit.units import GIB
 from tests.planning_fixtures import A100_NODE, RTX_4090, RTX_4090_BIG_HOST, V100_NODE, job, pool, unvalidated_job
@@ -117,6 +118,24 @@ SCENARIOS: dict[str, Callable[[], Case]] = {
         [A100_SMALL_NVME],
     ),
     "the only plan ran out of memory before": single_plan_case,
+    # torchtune's 8B full fine-tune on a 24 GB card, with memfit's default gradient clipping.
+    "8b full with paged 8-bit AdamW on a 24 GB card": lambda: Case(
+        job(
+            "llama-3.1-8b",
+            "full",
+            training={"globalBatchSize": 2, "sequenceLength": 2048, "optimizer": "paged_adamw8bit"},
+        ),
+        [RTX_4090],
+    ),
+    "3b full with the optimizer on a 24 GB card": lambda: Case(
+        job(
+            "llama-3.2-3b",
+            "full",
+            training={"globalBatchSize": 8, "sequenceLength": 2048},
+            strategy={"offloadOptimizer": "none", "offloadParameters": "none"},
+        ),
+        [RTX_4090],
+    ),  # fmt: skip
 }
 
 
@@ -290,6 +309,34 @@ def _unpinned_splits(m: re.Match[str], case: Case, result: PlanResult) -> bool:
         and f"{chosen.throughput.tokens_per_second:,.0f}" == m["speed"]
         and all(getattr(chosen.strategy, name) != getattr(pinned, name) for name in names)
     )
+
+
+SETTINGS = {change.setting: change for change in DEFAULT_CHANGES}
+
+
+@claim(r"with (?P<setting>[\w.]+: \w+) \([^)]+\) it fits: (?P<summary>.+?) \((?P<speed>[\d,]+) tokens/s est\.\)$")
+def _changed_default(m: re.Match[str], case: Case, result: PlanResult) -> bool:
+    """The job leaves the setting at its default, and with it changed (nothing else) the job fits, on the quoted
+    plan."""
+    change = SETTINGS[m["setting"]]
+    section = getattr(case.spec, change.section)
+    if getattr(section, change.field) != type(section).model_fields[change.field].default:
+        return False
+    chosen = case.plan(**{change.section: section.model_copy(update={change.field: change.value})}).chosen
+    return (
+        chosen is not None
+        and chosen.strategy.summary() == m["summary"]
+        and f"{chosen.throughput.tokens_per_second:,.0f}" == m["speed"]
+    )
+
+
+def test_the_advice_names_the_default_that_blocks_the_fit() -> None:
+    """torchtune fits Llama-3.1-8B's full fine-tune on a 24 GB card with the optimizer step in backward, which
+    gradient clipping (memfit's default) rules out: the advice says so."""
+    advice = SCENARIOS["8b full with paged 8-bit AdamW on a 24 GB card"]().plan().advice
+    assert any(line.startswith("with training.maxGradNorm: 0 (") and "opt-in-bwd" in line for line in advice)
+    advice = SCENARIOS["3b full with the optimizer on a 24 GB card"]().plan().advice
+    assert any(line.startswith("with training.optimizer: adamw8bit (") for line in advice)
 
 
 @claim(r"it needs (?P<gap>[\d.]+) GiB more per GPU: a GPU with at least (?P<gib>\d+) GiB would fit it$")

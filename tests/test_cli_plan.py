@@ -32,7 +32,7 @@ CANDIDATE_KEYS = {
 STRATEGY_KEYS = {"method", "pool", "nodes", "gpusPerNode", "zeroStage", "offloadOptimizer", "offloadParameters",
                  "gradientCheckpointing", "microBatchSize", "gradientAccumulationSteps", "precision", "optimizer",
                  "attention", "chunkedLoss", "activationOffloading", "masterWeights", "engine",
-                 "optimizerInBackward", "sequenceParallel", "tiledMlp"}  # fmt: skip
+                 "optimizerInBackward", "sequenceParallel", "tiledMlp", "packing"}  # fmt: skip
 PER_GPU_KEYS = {"parameters", "gradients", "optimizerStates", "activations", "overhead", "peakAllocatedBytes", "total"}
 
 
@@ -123,6 +123,29 @@ BAD_INPUTS = {
     "zero3 qlora": (
         lambda s: s.update(method="qlora", strategy={"zeroStage": 3, "engine": "deepspeed"}),
         "qlora cannot run under DeepSpeed ZeRO-3",
+    ),
+    # What the trainer's preflight would refuse from the spec alone, refused before any pod starts.
+    "streaming without maxSteps": (
+        lambda s: s["dataset"].update(streaming=True),
+        "dataset.streaming has no known epoch length: set training.maxSteps",
+    ),
+    "randomInit below the byte tokenizer": (
+        lambda s: s["model"].update(
+            randomInit=True,
+            architecture={
+                "family": "llama",
+                "hiddenSize": 64,
+                "intermediateSize": 128,
+                "numLayers": 2,
+                "numAttentionHeads": 4,
+                "vocabSize": 100,
+            },
+        ),
+        "vocabSize 100 is below the 258 ids of the byte-level tokenizer randomInit models use",
+    ),  # fmt: skip
+    "packing a linear-attention model": (
+        lambda s: (s["model"].update(architecture={"preset": "qwen3.5-27b"}), s["dataset"].update(packing=True)),
+        "dataset.packing: this model's linear-attention layers (Gated DeltaNet...) would carry their state",
     ),
 }
 
@@ -236,9 +259,21 @@ def test_flash_attention_pinned_where_no_pool_is_ampere_is_one_line(
     inventory = tmp_path / "t4.yaml"
     inventory.write_text(T4_POOL)
     job = edited(tmp_path, lambda s: s.update(method="lora", strategy={"attention": "flash"}))
-    code, out, err = run(capsys, job, "-i", inventory)
+    code, out, err = run(capsys, job, "-i", inventory, "--trainer-packages", "flash-attn")
     assert code == 2 and out == "" and err.count("\n") == 1
     assert "strategy.attention flash" in err and "t4 (Tesla-T4)" in err
+
+
+def test_flash_attention_pinned_where_the_trainer_lacks_flash_attn_is_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """memfit's trainer image has no flash-attn: without --trainer-packages a pinned flash cannot run anywhere."""
+    job = edited(tmp_path, lambda s: s.update(method="lora", strategy={"attention": "flash"}))
+    code, out, err = run(capsys, job, "-i", INVENTORY)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "strategy.attention flash: the trainer has no flash-attn" in err
+    code, out, err = run(capsys, job, "-i", INVENTORY, "--trainer-packages", "flash-atn")
+    assert code == 2 and "unknown kernel package flash-atn" in err
 
 
 def test_flash_attention_pinned_plans_on_the_ampere_pool_of_several(
@@ -247,7 +282,7 @@ def test_flash_attention_pinned_plans_on_the_ampere_pool_of_several(
     inventory = tmp_path / "pools.yaml"
     inventory.write_text(T4_POOL + "---\n" + INVENTORY.read_text())
     job = edited(tmp_path, lambda s: s.update(method="lora", strategy={"attention": "flash"}))
-    code, out, _ = run(capsys, job, "-i", inventory, "-o", "json")
+    code, out, _ = run(capsys, job, "-i", inventory, "-o", "json", "--trainer-packages", "flash-attn")
     result = json.loads(out)
     assert code == 0 and result["chosen"]["strategy"]["attention"] == "flash"
     assert all(c["strategy"]["pool"] != "t4" for c in [*result["candidates"], *result["rejected"]])

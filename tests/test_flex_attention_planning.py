@@ -12,7 +12,7 @@ from memfit.api.finetunejob import FineTuneJobSpec
 from memfit.api.vocabulary import Attention
 from memfit.planner.attention import holds_less
 from memfit.planner.search import PlanningError, plan_job
-from tests.planning_fixtures import A100_NODE, DECLARED_LLAMA, V100_NODE, job, pool
+from tests.planning_fixtures import A100_NODE, DECLARED_LLAMA, V100_NODE, WITH_FLASH_ATTN, job, pool
 
 CPU_POOL = pool("cpu", "cpu", 4, 1, 256)
 LLAMA_8B_SIZES = {
@@ -64,9 +64,13 @@ def test_flex_fits_a_micro_batch_that_sdpa_does_not_at_the_same_knobs() -> None:
 
 
 def test_flex_holds_less_for_typed_models_and_a_profile_plans_flash_from_its_unmasked_terms() -> None:
+    """Where the trainer has flash-attn; without it (memfit's image) the profile plans its traced SDPA."""
     assert holds_less(DECLARED_LLAMA, Attention.FLEX, 2048)
-    chosen = plan_job(job("llama-3.1-8b", "full", batch=16, sequence=4096), [A100_NODE]).chosen
+    spec = job("llama-3.1-8b", "full", batch=16, sequence=4096)
+    chosen = plan_job(spec, [A100_NODE], runtime=WITH_FLASH_ATTN).chosen
     assert chosen is not None and chosen.strategy.attention == Attention.FLASH
+    default = plan_job(spec, [A100_NODE]).chosen
+    assert default is not None and default.strategy.attention == Attention.SDPA
 
 
 @pytest.mark.parametrize("pools", [[V100_NODE], [CPU_POOL]], ids=["v100", "cpu"])

@@ -9,11 +9,12 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from memfit.contract.output_lock import LOCK_FILE, OutputInUse, acquire, lock_holder
+from memfit.contract.output_lock import DYING_WAIT_SECONDS, LOCK_FILE, OutputInUse, acquire, lock_holder
 
 HOLD = (
     "import sys, time; from memfit.contract.output_lock import acquire; "
@@ -60,3 +61,27 @@ def test_a_planted_symlink_is_not_followed(tmp_path: Path) -> None:
     with pytest.raises(OSError):
         acquire(output)
     assert victim.read_text() == "precious"
+
+
+DYING = (
+    "import subprocess, sys; from memfit.contract.output_lock import acquire; fd = acquire(sys.argv[1]); "
+    "subprocess.Popen(['sleep', sys.argv[2]], pass_fds=(fd,)); print(flush=True)"
+)
+
+
+def test_a_probe_waits_for_a_dying_holder_and_refuses_a_live_one(tmp_path: Path) -> None:
+    """A run killed a moment ago whose processes are still going (here: its pid gone, a child that inherited the
+    lock ending 3 s later) is waited for; a live holder is refused at once (not after the dying holder's wait)."""
+    output = tmp_path / "output"
+    holder = subprocess.run([sys.executable, "-c", DYING, str(output), "3"], capture_output=True, check=True)
+    assert holder.stdout == b"\n"
+    assert lock_holder(output, wait_seconds=0) is not None  # the child holds it
+    assert lock_holder(output) is None  # waited for the child to end
+    live = hold_in_another_process(output)
+    try:
+        started = time.monotonic()
+        assert f"pid {live.pid}" in (lock_holder(output) or "")
+        assert time.monotonic() - started < DYING_WAIT_SECONDS / 4
+    finally:
+        live.kill()
+        live.wait()

@@ -18,7 +18,7 @@ from memfit.memory.profiled_activations import model_activations
 from memfit.memory.setup import Adapters, LoraSettings, StaticSetup
 from memfit.planner.search import plan_job
 from memfit.units import GIB
-from tests.planning_fixtures import A100_NODE, job
+from tests.planning_fixtures import A100_NODE, WITH_FLASH_ATTN, job
 
 PHASE_KEYS = {"parameters", "gradients", "optimizerStates", "activations", "overhead", "total"}
 
@@ -37,7 +37,7 @@ ZERO3_7B_PEAK_ALLOCATED = 17_842_735_104
 
 
 def zero3_7b() -> PlanCandidate:
-    chosen = plan_job(ZERO3_7B, [A100_NODE]).chosen
+    chosen = plan_job(ZERO3_7B, [A100_NODE], runtime=WITH_FLASH_ATTN).chosen
     assert chosen is not None and chosen.strategy.summary() == "full zero3 ckpt mb1x1 bf16 adamw on 1x8 a100"
     return chosen
 

@@ -28,7 +28,7 @@ from memfit.planner import throughput
 from memfit.planner.longest import LongestSequence
 from memfit.planner.search import best_plan, plan_job
 from memfit.render.trainer_config import render_trainer_config
-from tests.planning_fixtures import A100_4_NODES, A100_NODE, job
+from tests.planning_fixtures import A100_4_NODES, A100_NODE, WITH_FLASH_ATTN, job
 from tests.test_planner_techniques import BEFORE_THE_TECHNIQUES, OLD_BEHAVIOUR, POOLS
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
@@ -159,25 +159,27 @@ def _long_job(sequence: int, **pins: Any) -> Any:
 def test_a_sequence_is_split_where_that_makes_it_fit_and_said_so() -> None:
     spec = _long_job(524_288)
     model = spec.model.architecture.shape()
-    assert best_plan(_long_job(524_288, sequenceParallel=1), [A100_NODE], model=model) is None
-    plan = best_plan(spec, [A100_NODE], model=model)
+    assert best_plan(_long_job(524_288, sequenceParallel=1), [A100_NODE], model=model, runtime=WITH_FLASH_ATTN) is None
+    plan = best_plan(spec, [A100_NODE], model=model, runtime=WITH_FLASH_ATTN)
     assert plan is not None and plan.strategy.sequence_parallel > 1
     assert f"sp{plan.strategy.sequence_parallel}" in plan.strategy.summary().split()
     # no pinned degree finds a faster plan than the search's
     for degree in (2, 4, 8):
-        pinned = best_plan(_long_job(524_288, sequenceParallel=degree), [A100_NODE], model=model)
+        pinned = best_plan(
+            _long_job(524_288, sequenceParallel=degree), [A100_NODE], model=model, runtime=WITH_FLASH_ATTN
+        )
         assert pinned is None or pinned.throughput.tokens_per_second <= plan.throughput.tokens_per_second
 
 
 def test_a_split_is_not_chosen_where_whole_sequences_fit() -> None:
     spec = _long_job(8192)
-    plan = best_plan(spec, [A100_NODE], model=spec.model.architecture.shape())
+    plan = best_plan(spec, [A100_NODE], model=spec.model.architecture.shape(), runtime=WITH_FLASH_ATTN)
     assert plan is not None and plan.strategy.sequence_parallel == 1
 
 
 def test_a_pinned_degree_is_planned_as_pinned() -> None:
     spec = _long_job(8192, sequenceParallel=4)
-    plan = best_plan(spec, [A100_NODE], model=spec.model.architecture.shape())
+    plan = best_plan(spec, [A100_NODE], model=spec.model.architecture.shape(), runtime=WITH_FLASH_ATTN)
     assert plan is not None and plan.strategy.sequence_parallel == 4
     # 8 sequences over 2 data-parallel groups of 4 GPUs: 4 sequences per group and step
     assert plan.strategy.micro_batch_size * plan.strategy.gradient_accumulation_steps == 4
@@ -185,14 +187,14 @@ def test_a_pinned_degree_is_planned_as_pinned() -> None:
 
 def test_a_batch_smaller_than_the_gpus_runs_split() -> None:
     spec = job("llama-3.1-8b", "full", batch=1, sequence=8192, strategy={"attention": "flash"})
-    plan = best_plan(spec, [A100_NODE], model=spec.model.architecture.shape())
+    plan = best_plan(spec, [A100_NODE], model=spec.model.architecture.shape(), runtime=WITH_FLASH_ATTN)
     assert plan is not None and plan.strategy.gpus // plan.strategy.sequence_parallel == 1
 
 
 def _plan(sequence: int = 8192, pool: Any = A100_NODE) -> tuple[PlanCandidate, Any]:
     spec = job("llama-3.1-8b", "full", batch=8, sequence=sequence, strategy={"attention": "flash"})
     model = spec.model.architecture.shape()
-    plan = best_plan(spec, [pool], model=model)
+    plan = best_plan(spec, [pool], model=model, runtime=WITH_FLASH_ATTN)
     assert plan is not None
     return plan, model
 

@@ -30,7 +30,7 @@ from memfit.planner.attention import planned_attention
 from memfit.planner.longest import longest_sequence
 from memfit.planner.search import PlanningError, plan_job
 from memfit.profiled_model import ProfiledModel
-from tests.planning_fixtures import A100_NODE, ONE_A100, job, pool
+from tests.planning_fixtures import A100_NODE, ONE_A100, WITH_FLASH_ATTN, job, pool
 from tests.stored_models import STORED_TOTALS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -422,7 +422,7 @@ def test_a_version_4_profile_still_loads_and_plans_only_its_traced_kernel() -> N
     assert "holds no terms traced without a mask" in (
         reread.unplannable(Precision.BF16, Attention.FLASH, frozenset()) or ""
     )
-    assert planned_attention(reread, pool_capacity(H100), 65536) == Attention.SDPA
+    assert planned_attention(reread, pool_capacity(H100), 65536, WITH_FLASH_ATTN) == Attention.SDPA
 
 
 def test_flash_is_refused_where_the_unmasked_terms_are_not_flash_attentions() -> None:
@@ -438,8 +438,8 @@ def test_llama_plans_flash_on_an_h100_and_reaches_past_its_packed_sdpa_terms() -
     model = profiled("llama-3.1-8b")
     assert model.plans_flash and model.unplannable(Precision.BF16, Attention.FLASH, frozenset()) is None
     spec = job("llama-3.1-8b", "full", batch=1, resources={"pool": H100.metadata.name})
-    (flash,) = longest_sequence(spec, [H100], model=model)
-    (sdpa,) = longest_sequence(spec, [H100], model=_without_unmasked_terms(model))
+    (flash,) = longest_sequence(spec, [H100], model=model, runtime=WITH_FLASH_ATTN)
+    (sdpa,) = longest_sequence(spec, [H100], model=_without_unmasked_terms(model), runtime=WITH_FLASH_ATTN)
     assert sdpa.plan is not None and sdpa.plan.strategy.attention == Attention.SDPA
     assert flash.plan is not None and flash.plan.strategy.attention == Attention.FLASH
     assert sdpa.sequence_length is not None and flash.sequence_length is not None
@@ -520,10 +520,10 @@ def test_tiled_mlps_spare_a_long_sequence_its_mlp_activations() -> None:
 @pytest.mark.parametrize(("gpus", "longest"), [(1, 300_000), (8, 1_048_576)])
 def test_llama_full_fine_tuning_reaches_issue_23s_lengths_on_h100s(gpus: int, longest: int) -> None:
     """Issue 23's figures, from the stored profile: Llama-3.1-8B full fine-tuning past 300K tokens on one H100
-    (flash attention and tiled MLPs) and past 1M on eight (the sequence split over them)."""
+    (flash attention, with flash-attn installed, and tiled MLPs) and past 1M on eight (the sequence split over them)."""
     pools = [pool("h100", "NVIDIA-H100-80GB-HBM3", gpus, 1, 2000)]
     spec = job("llama-3.1-8b", "full", batch=1, resources={"pool": "h100"})
-    (row,) = longest_sequence(spec, pools, model=profiled("llama-3.1-8b"))
+    (row,) = longest_sequence(spec, pools, model=profiled("llama-3.1-8b"), runtime=WITH_FLASH_ATTN)
     assert row.sequence_length is not None and row.sequence_length >= longest and row.plan is not None
     strategy = row.plan.strategy
     assert strategy.attention == Attention.FLASH and strategy.tiled_mlp

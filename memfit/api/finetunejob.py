@@ -30,6 +30,7 @@ from memfit.api.plan import PlanCandidate
 from memfit.api.techniques import TECHNIQUES
 from memfit.api.vocabulary import (
     ALL_LINEAR,
+    BYTE_TOKENIZER_VOCAB,
     DEFAULT_MAX_RECORD_MIB,
     MAX_RECORD_MIB,
     Attention,
@@ -226,8 +227,16 @@ class ModelSpec(ApiModel):
 
     @model_validator(mode="after")
     def _random_init_needs_sizes(self) -> ModelSpec:
-        if self.random_init and (self.architecture is None or not self.architecture.typed):
+        if not self.random_init:
+            return self
+        if self.architecture is None or not self.architecture.typed:
             raise ValueError("randomInit builds the model from typed sizes: give a formula preset or the sizes")
+        vocab = self.architecture.shape().vocab_size
+        if self.tokenizer is None and vocab < BYTE_TOKENIZER_VOCAB:
+            raise ValueError(
+                f"model.architecture.vocabSize {vocab} is below the {BYTE_TOKENIZER_VOCAB} ids of the byte-level "
+                "tokenizer randomInit models use: raise vocabSize, or set model.tokenizer"
+            )
         return self
 
 
@@ -266,9 +275,11 @@ class DatasetSpec(ApiModel):
     train_on: TrainOn = TrainOn.ASSISTANT
     """assistant: the loss is on assistant turns (chat) or the completion (prompt/completion) only; system,
     user and tool turns are context. all: every token is a target. Plain text always trains on every token."""
-    packing: StrictBool = True
+    packing: StrictBool | None = None
     """Pack documents into full sequences (each attends only to itself, positions restart per document);
-    false: one document per sequence, padded (tokens past the sequence length are cut and reported)."""
+    false: one document per sequence, padded (tokens past the sequence length are cut and reported). Default:
+    packed wherever the model keeps packed documents apart (not Gated DeltaNet layers without
+    flash-linear-attention); the plan says which."""
     validation: ValidationSpec | None = None
     """Held-out data for a validation loss (none by default)."""
     streaming: StrictBool = False
@@ -444,6 +455,8 @@ class FineTuneJobSpec(ApiModel):
         conflicts = knob_conflicts(self.knobs())
         if conflicts:
             raise ValueError("; ".join(conflicts))
+        if self.dataset.streaming and self.training.max_steps is None:
+            raise ValueError("dataset.streaming has no known epoch length: set training.maxSteps")
         batch = self.training.global_batch_size
         if strategy.micro_batch_size is not None and batch % strategy.micro_batch_size:
             raise ValueError(
@@ -497,6 +510,7 @@ class FineTuneJobSpec(ApiModel):
             optimizer=self.training.optimizer,
             gradient_accumulation_steps=self._fewest_accumulation_steps(),
             clips_gradients=self.training.max_grad_norm > 0,
+            packing=self.dataset.packing,
         )
 
     def _fewest_accumulation_steps(self) -> int | None:

@@ -50,6 +50,8 @@ class Knobs:
     """Each dense MLP runs tile by tile along the sequence, recomputed in backward."""
     clips_gradients: bool | None = None
     """Not a strategy knob but the training setting two rules read (training.maxGradNorm > 0)."""
+    packing: bool | None = None
+    """Documents packed into full sequences (dataset.packing): a data knob the model can rule out."""
     # Model facts: not knobs either, but what the sequence-parallel and tiled-MLP rules read (the search fills
     # them from the planned model; None where unknown, and the rules that read them skip).
     attention_heads: int | None = None
@@ -62,6 +64,10 @@ class Knobs:
     """Some layers attend within a window (sliding or chunked), or the scores are soft-capped (Gemma 2)."""
     dense_mlp: bool | None = None
     """Some layer has a dense MLP (the tiled MLP tiles those; a mixture of experts' routed MLPs stay whole)."""
+    # A fact of the trainer's runtime (memfit.api.runtime), read by the packing rule.
+    linear_attention_kernels: bool | None = None
+    """The trainer has flash-linear-attention, whose kernels keep packed documents apart in linear-attention
+    layers (handed the documents' boundaries by flash attention)."""
 
     @property
     def qlora_on_deepspeed(self) -> bool:
@@ -138,6 +144,16 @@ def _heads_split_unevenly(knobs: Knobs) -> bool:
     if sp is None or heads is None or kv is None:
         return False
     return heads % sp != 0 or (kv % sp != 0 and sp % kv != 0)
+
+
+def _packs_across_linear_state(knobs: Knobs) -> bool:
+    """Whether packed documents would leak into one another through a linear-attention layer's state: unless
+    the trainer has flash-linear-attention and attends with flash (where either is decided)."""
+    if not (knobs.packing and knobs.linear_attention):
+        return False
+    return knobs.linear_attention_kernels is False or (
+        knobs.attention is not None and knobs.attention != Attention.FLASH
+    )
 
 
 def _deepspeed_keeps_masters(knobs: Knobs) -> bool:
@@ -298,6 +314,12 @@ RULES: tuple[Rule, ...] = (
         ),
         "strategy.sequenceParallel {sequence_parallel} runs this model's windowed or soft-capped attention only "
         "with flash attention (not {attention})",
+    ),
+    Rule(
+        _packs_across_linear_state,
+        "dataset.packing: this model's linear-attention layers (Gated DeltaNet...) would carry their state from "
+        "one packed document into the next (only flash-linear-attention's kernels with flash attention keep them "
+        "apart): leave dataset.packing out (off for this model) or set it false",
     ),
     Rule(
         lambda k: bool(k.tiled_mlp) and k.dense_mlp is False,

@@ -86,6 +86,9 @@ class Strategy:
     tiled_mlp: bool = False
     """Whether each MLP runs tile by tile along the sequence, recomputed in backward, so its
     intermediate-sized activations exist for one tile at a time."""
+    packing: bool = True
+    """Whether documents are packed into full sequences (dataset.packing, or where the job leaves it out,
+    whether the model keeps packed documents apart)."""
 
     @property
     def gpus(self) -> int:
@@ -130,6 +133,8 @@ class Strategy:
         parts += [technique.token for technique in TECHNIQUES if getattr(self, technique.knob)]
         if self.master_weights == MasterWeights.BF16:
             parts.append("bf16-masters")
+        if not self.packing:
+            parts.append("unpacked")
         parts += [f"mb{self.micro_batch_size}x{self.gradient_accumulation_steps}", self.precision, self.optimizer]
         return " ".join(parts) + f" on {self.nodes}x{self.gpus_per_node} {self.pool}"
 

@@ -127,6 +127,10 @@ class OnBadRecord(StrEnum):
     """Leave it out and count it."""
 
 
+BYTE_TOKENIZER_VOCAB: Final = 258
+"""Ids of the byte-level tokenizer randomInit models use without a tokenizer of their own (256 bytes, end of
+text, padding): the model's vocabulary must hold them."""
+
 DEFAULT_MAX_RECORD_MIB: Final = 4
 """``dataset.maxRecordMib``: a larger record is refused (or skipped) as read; its tokens would cost every
 rank a few hundred times its size in memory."""

@@ -44,7 +44,9 @@ STATISTICS_LABELS = {
 def _request(job_file: Path, mount_args: list[str], count: int) -> dict[str, Any]:
     job = single_job(job_file, None)
     mounts = local_mounts(job, job_file, parse_mounts(job_file, mount_args))
-    data = data_config(job.spec.dataset, mounts.data)
+    # Unplanned, the preview packs unless the job says not to (a plan leaves packing off for models whose
+    # linear-attention layers would mix packed documents).
+    data = data_config(job.spec.dataset, mounts.data, job.spec.dataset.packing is not False)
     contained(Path(data.path), Path(mounts.data), "dataset.source.path: the data")
     return {
         "data": data.model_dump(mode="json", by_alias=True),

@@ -33,7 +33,14 @@ def _plan(args: argparse.Namespace) -> int:
     from memfit.cli.plan_command import run_plan
 
     return run_plan(
-        args.job, args.inventory, args.output, args.emit_ds_config, args.job_name, args.max_sequence_length, args.mount
+        args.job,
+        args.inventory,
+        args.output,
+        args.emit_ds_config,
+        args.job_name,
+        args.max_sequence_length,
+        args.mount,
+        args.trainer_packages,
     )
 
 
@@ -123,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_mount(plan, "directory standing in for the model's claim: a job without spec.model.architecture is "
                "planned from the config.json there (default: DIR named CLAIM beside the job)")  # fmt: skip
+    plan.add_argument(
+        "--trainer-packages",
+        metavar="PKG[,PKG]",
+        default="",
+        help="kernel packages the trainer has beyond torch (flash-attn, flash-linear-attention); default: none, as "
+        "memfit's trainer image (the chart's trainer.kernelPackages says what a cluster's image carries)",
+    )
     plan.set_defaults(handler=_plan)
 
     run = commands.add_parser("run", parents=[debug], help="plan for this machine and train here (--local)")

@@ -13,6 +13,7 @@ from memfit.api.base import escaped, shown
 from memfit.api.finetunejob import FineTuneJob
 from memfit.api.gpupool import GPUPool, product_read_as
 from memfit.api.loading import InputError, load_documents
+from memfit.api.runtime import Runtime
 from memfit.api.vocabulary import Engine
 from memfit.cli.exit_codes import ExitCode
 from memfit.cli.model_profiles import ProfileFailed
@@ -66,6 +67,7 @@ def run_plan(
     job_name: str | None,
     max_sequence_length: bool = False,
     mount_args: Sequence[str] = (),
+    trainer_packages: str = "",
 ) -> int:
     if max_sequence_length and ds_config_path is not None:
         return _error("--emit-ds-config writes one plan's config: leave out --max-sequence-length")
@@ -75,6 +77,7 @@ def run_plan(
         if len(documents.pools) > MAX_POOLS:
             files = ", ".join(escaped(str(path)) for path in (job_path, *inventory))
             raise InputError(f"{files}: {len(documents.pools)} GPUPools: memfit plan plans over at most {MAX_POOLS}")
+        runtime = Runtime.of(trainer_packages.split(","))
         model = profiled_model(job, model_claim_directory(job, job_path, parse_mounts(job_path, list(mount_args))))
     except ProfileFailed as error:
         print(f"memfit plan: error: {escaped(str(error))}", file=sys.stderr)
@@ -82,9 +85,9 @@ def run_plan(
     except (InputError, ValueError) as error:
         return _error(error)
     if max_sequence_length:
-        return _run_longest(job, documents.pools, job_path, output, model)
+        return _run_longest(job, documents.pools, job_path, output, model, runtime)
     try:
-        result = plan_job(job.spec, documents.pools, model=model)
+        result = plan_job(job.spec, documents.pools, model=model, runtime=runtime)
     except PlanningError as error:  # the request names something the inventory lacks
         return _error(f"{job_path}: FineTuneJob {shown(job.metadata.name)}: {error}")
 
@@ -110,11 +113,11 @@ def run_plan(
 
 
 def _run_longest(
-    job: FineTuneJob, pools: list[GPUPool], job_path: Path, output: str, model: PlannedModel | None
+    job: FineTuneJob, pools: list[GPUPool], job_path: Path, output: str, model: PlannedModel | None, runtime: Runtime
 ) -> int:
     """``--max-sequence-length``: one row per pool (exit 1 when the job fits on none at any length)."""
     try:
-        rows = longest_sequence(job.spec, pools, progress=_progress if output == "table" else None, model=model)
+        rows = longest_sequence(job.spec, pools, _progress if output == "table" else None, model, runtime)
     except PlanningError as error:
         return _error(f"{job_path}: FineTuneJob {shown(job.metadata.name)}: {error}")
     if output == "table":

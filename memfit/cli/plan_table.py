@@ -16,6 +16,7 @@ from rich.text import Text
 
 from memfit.api.finetunejob import MIN_SEQUENCE_LENGTH, FineTuneJob
 from memfit.api.plan import PerGPUMemory, PhaseMemory, PlanCandidate, PlanResult
+from memfit.api.runtime import package_needed
 from memfit.api.techniques import TECHNIQUES
 from memfit.api.vocabulary import Offload, StepPhase
 from memfit.planner.longest import LongestSequence
@@ -126,6 +127,10 @@ def print_plan_table(
         f"Throughput (estimate): {chosen.throughput.tokens_per_second:,.0f} tokens/s, "
         f"{chosen.throughput.step_seconds:.2f} s per step"
     )
+    console.print(f"Attention: {s.attention}, from {package_needed(s.attention)}")
+    if not s.packing and spec.dataset.packing is None:
+        console.print("Packing: off (this model's linear-attention layers would carry their state across packed "
+                      "documents without flash-linear-attention)")  # fmt: skip
     console.print(_memory_table(chosen, spec.resources.memory_headroom_percent))
     memory = chosen.memory
     console.print(f"Per node: CPU {_gib(memory.per_node.cpu)} GiB, NVMe {_gib(memory.per_node.nvme)} GiB")

@@ -42,6 +42,7 @@ from pydantic import ValidationError
 from memfit.api.finetunejob import FineTuneJob, FineTuneJobSpec
 from memfit.api.loading import InputError, describe_validation_error, load_documents
 from memfit.api.plan import PlanCandidate
+from memfit.api.runtime import Runtime
 from memfit.cli.exit_codes import ExitCode
 from memfit.cli.local_machine import inspect_machine, local_pool
 from memfit.cli.model_profiles import ProfileFailed, directory_profile
@@ -238,7 +239,7 @@ def run_local(job_file: Path, ranks: int | None, mount_args: list[str], workdir:
         )
         pool = local_pool(machine, ranks)
         planned = profiled_model(job, mounts.model)
-        result = plan_job(spec, [pool], model=planned)
+        result = plan_job(spec, [pool], model=planned, runtime=Runtime.local())
     except ProfileFailed as error:
         print(f"memfit run: error: {error}", file=sys.stderr)
         return error.exit_code

@@ -19,6 +19,7 @@ from memfit.api.finetunejob import FineTuneJobSpec
 from memfit.api.gpupool import GPUPool, PoolCapacity, pool_capacity
 from memfit.api.plan import PlanCandidate, RejectedCandidate
 from memfit.api.vocabulary import Attention, Method, Offload, StepPhase
+from memfit.planner.defaults import DefaultChange
 from memfit.planner.evaluated import Shortfall
 from memfit.planner.layouts import layouts
 from memfit.planner.report import Miss
@@ -71,17 +72,22 @@ def advise(
     untried: Collection[Untried],
     lighter: Mapping[str, PlanCandidate | None] = MappingProxyType({}),
     unpinned: tuple[Sequence[str], PlanCandidate] | None = None,
+    defaults: Sequence[tuple[DefaultChange, PlanCandidate]] = (),
 ) -> list[str]:
     """Sentences for a person: the nearest miss and each change that would close its gap, what the
     methods lighter than a pinned one achieve (``lighter``: the best plan of each, with ``fits``, or its
     nearest miss; None where it could not be tried), the plan that fits with the pinned knobs ``unpinned``
-    names left to the planner, then what was never tried and why."""
+    names left to the planner, the plan that fits with each default ``defaults`` changes, then what was never
+    tried and why."""
     advice = _nearest_miss(spec, misses[0], pools) if misses else []
     advice += _lighter_lines(lighter)
     if unpinned is not None:
         knobs, plan = unpinned
         speed = f"{plan.throughput.tokens_per_second:,.0f} tokens/s est."
         advice.append(f"unpinned, {' and '.join(knobs)} would fit it: {plan.strategy.summary()} ({speed})")
+    for change, plan in defaults:
+        speed = f"{plan.throughput.tokens_per_second:,.0f} tokens/s est."
+        advice.append(f"with {change.setting} ({change.why}) it fits: {plan.strategy.summary()} ({speed})")
     advice += _untried_lines(untried)
     return advice or ["no strategy could be evaluated for this job"]
 

@@ -14,6 +14,7 @@ import functools
 from typing import Final
 
 from memfit.api.gpupool import PoolCapacity
+from memfit.api.runtime import Runtime, package_needed
 from memfit.api.vocabulary import Attention, Method, Precision
 from memfit.memory.activations import ActivationSetup
 from memfit.memory.profiled_activations import model_activations
@@ -33,22 +34,38 @@ def runs_attention(attention: Attention | None, capacity: PoolCapacity) -> bool:
     return attention not in KERNEL_NEEDS or (capacity.bf16 and not capacity.cpu_only)
 
 
+def can_plan(attention: Attention, capacity: PoolCapacity, runtime: Runtime) -> bool:
+    """Whether a plan may run the kernel on the pool: its GPUs run it and the trainer has its package."""
+    return runtime.runs(attention) and runs_attention(attention, capacity)
+
+
+def missing_package(attention: Attention) -> str:
+    """Why a pinned kernel cannot be planned where the trainer lacks its package (one clause)."""
+    return (
+        f"the trainer has no {package_needed(attention)} (memfit's trainer image and `pip install 'memfit[trainer]'` "
+        "bring torch's kernels only: sdpa, eager, flex); install it and say so (chart value trainer.kernelPackages, "
+        "memfit plan --trainer-packages), or leave strategy.attention out"
+    )
+
+
 ALTERNATIVES: Final = (Attention.FLEX, Attention.FLASH)
-"""Kernels planned in place of SDPA where the pool runs them, the model can be planned with them and they hold
-less, the first such one: a model typed by its sizes gets flex (flash only where flex holds no less), a
-profiled one flash (its profile plans only its traced kernel, and flash from its unmasked terms)."""
+"""Kernels planned in place of SDPA where the pool runs them, the trainer has them (:mod:`memfit.api.runtime`),
+the model can be planned with them and they hold less, the first such one: a model typed by its sizes gets flex
+(torch's own; flash only where flex holds no less), a profiled one flash where the trainer has flash-attn (its
+profile plans only its traced kernel, and flash from its unmasked terms), else its SDPA."""
 
 
-def planned_attention(model: PlannedModel, capacity: PoolCapacity, sequence_length: int) -> Attention:
-    """The kernel planned on the pool when the job pins none: the first of :data:`ALTERNATIVES` the pool runs,
-    the model can be planned with and that holds less than the model's SDPA; else the model's own kernel."""
+def planned_attention(model: PlannedModel, capacity: PoolCapacity, sequence_length: int, runtime: Runtime) -> Attention:
+    """The kernel planned on the pool when the job pins none: the first of :data:`ALTERNATIVES` the pool runs
+    and the trainer has, the model can be planned with and that holds less than the model's SDPA; else the
+    model's own kernel."""
     default = model.default_attention
     if default != Attention.SDPA:
         return default
     for kernel in ALTERNATIVES:
         # Whether the description plans the kernel at all (precision aside: bf16, which every description plans).
         plannable = model.unplannable(Precision.BF16, kernel, frozenset()) is None
-        if runs_attention(kernel, capacity) and plannable and holds_less(model, kernel, sequence_length):
+        if can_plan(kernel, capacity, runtime) and plannable and holds_less(model, kernel, sequence_length):
             return kernel
     return default
 

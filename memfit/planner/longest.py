@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from memfit.api.finetunejob import MAX_SEQUENCE_LENGTH, MIN_SEQUENCE_LENGTH, FineTuneJobSpec
 from memfit.api.gpupool import GPUPool
 from memfit.api.plan import PlanCandidate
+from memfit.api.runtime import IMAGE_RUNTIME, Runtime
 from memfit.planned_model import PlannedModel
 from memfit.planner.search import best_plan, planned_model, selected_pools
 
@@ -50,18 +51,19 @@ def longest_sequence(
     pools: Sequence[GPUPool],
     progress: Callable[[str], None] | None = None,
     model: PlannedModel | None = None,
+    runtime: Runtime = IMAGE_RUNTIME,
 ) -> list[LongestSequence]:
     """Per pool (the job's own, if it names one): bisect sequenceLength between the shortest and the
-    longest the API accepts, planning at each step (``model``: as for ``plan_job``)."""
-    model = planned_model(spec, model)
+    longest the API accepts, planning at each step (``model`` and ``runtime``: as for ``plan_job``)."""
+    model = planned_model(spec, model, runtime)
     results = []
-    for capacity in selected_pools(spec, pools):  # raises PlanningError as planning does
+    for capacity in selected_pools(spec, pools, runtime):  # raises PlanningError as planning does
         name = capacity.name
         if progress is not None:
             progress(name)
 
         def plan_at(length: int, name: str = name) -> PlanCandidate | None:
-            return best_plan(with_sequence_length(spec, length, name), pools, model)
+            return best_plan(with_sequence_length(spec, length, name), pools, model, runtime)
 
         best = plan_at(MIN_SEQUENCE_LENGTH)
         if best is None:

@@ -20,6 +20,7 @@ from collections.abc import Collection, Sequence
 from memfit.api.finetunejob import FineTuneJobSpec
 from memfit.api.gpupool import GPUPool
 from memfit.api.plan import PlanCandidate, PlanResult
+from memfit.api.runtime import IMAGE_RUNTIME, Runtime
 from memfit.api.vocabulary import Method, Precision
 from memfit.contract.layout import CheckpointLayout
 from memfit.planned_model import PlannedModel
@@ -52,10 +53,12 @@ def replan_after_oom(
     excluded: Collection[str],
     model: PlannedModel | None = None,
     checkpointed: bool = True,
+    runtime: Runtime = IMAGE_RUNTIME,
 ) -> tuple[PlanResult, bool]:
     """The leaner plan after ``failed`` ran out of memory, and whether it keeps the checkpoint layout (``model``:
     the profiled model ``failed`` was planned for, as ``plan_job`` takes it; ``checkpointed``: the failed run
-    left a checkpoint, so a plan that resumes from it goes before a faster one that would start over)."""
+    left a checkpoint, so a plan that resumes from it goes before a faster one that would start over; ``runtime``:
+    the trainer's kernel packages)."""
     resources = spec.resources.model_copy(update={"memory_headroom_percent": leaner_headroom_percent(spec, failed)})
     leaner = spec.model_copy(update={"resources": resources})
     strategy = failed.strategy
@@ -67,10 +70,10 @@ def replan_after_oom(
             "resources": resources.model_copy(update={"pool": strategy.pool, "max_gpus": strategy.gpus}),
         }
     )
-    kept = only_leaner(plan_job(same_layout, pools, exclude=excluded, model=model), failed)
+    kept = only_leaner(plan_job(same_layout, pools, excluded, model, runtime), failed)
     if kept.chosen is not None and checkpoint_layout(kept.chosen) == checkpoint_layout(failed):
         return kept, True
-    result = only_leaner(plan_job(leaner, pools, exclude=excluded, model=model), failed)
+    result = only_leaner(plan_job(leaner, pools, excluded, model, runtime), failed)
     if checkpointed:
         result = resuming_first(result, failed)
     return result, result.chosen is not None and checkpoint_layout(result.chosen) == checkpoint_layout(failed)

@@ -45,6 +45,7 @@ from memfit.api.gpupool import GPUPool, PoolCapacity, pool_capacity
 from memfit.api.knobs import Knobs
 from memfit.api.knobs import conflicts as knob_conflicts
 from memfit.api.plan import PlanCandidate, PlanResult, Strategy, current_identity
+from memfit.api.runtime import IMAGE_RUNTIME, Runtime
 from memfit.api.techniques import TECHNIQUES
 from memfit.api.vocabulary import (
     Attention,
@@ -63,9 +64,11 @@ from memfit.memory.setup import LoraSettings, StaticSetup
 from memfit.model_facts import model_facts
 from memfit.planned_model import PlannedModel, lora_dropout
 from memfit.planner.advice import Untried, advise
-from memfit.planner.attention import KERNEL_NEEDS, planned_attention, runs_attention
+from memfit.planner.attention import KERNEL_NEEDS, can_plan, missing_package, planned_attention, runs_attention
+from memfit.planner.defaults import DEFAULT_CHANGES, DefaultChange
 from memfit.planner.evaluated import Chosen, Evaluated, Fit, shortfall_ratio
 from memfit.planner.layouts import batch_degrees, layouts
+from memfit.planner.packing import pinned_packing_problem, planned_packing
 from memfit.planner.report import (
     MAX_CANDIDATES,
     MAX_REJECTED,
@@ -126,6 +129,8 @@ class _Search:
     """Identities of strategies known to fail (status.excludedStrategies)."""
     master_weights: MasterWeights = MasterWeights.FP32
     """The masters this pass plans with (bf16 only where nothing fits with fp32, or pinned)."""
+    runtime: Runtime = IMAGE_RUNTIME
+    """The kernel packages the trainer has (only their kernels are planned)."""
     fits: list[Fit] = field(default_factory=list)
     nearest_misses: dict[tuple[str, int, int, str], Evaluated] = field(default_factory=dict)
     static: dict[StaticSetup, StaticMemory] = field(default_factory=dict)
@@ -215,7 +220,7 @@ class _Search:
         self, capacity: PoolCapacity, method: PlannedMethod, attention: Attention, degree: int
     ) -> Attention | None:
         """_split_attention, once per distinct input (it depends on the pool only through the kernels it runs)."""
-        inputs = (method, attention, degree, runs_attention(Attention.FLASH, capacity))
+        inputs = (method, attention, degree, can_plan(Attention.FLASH, capacity, self.runtime))
         if inputs not in self.split_kernels:
             self.split_kernels[inputs] = _split_attention(self, capacity, method, attention, degree)
         return self.split_kernels[inputs]
@@ -240,13 +245,16 @@ def plan_job(
     pools: Sequence[GPUPool],
     exclude: Collection[str] = (),
     model: PlannedModel | None = None,
+    runtime: Runtime = IMAGE_RUNTIME,
 ) -> PlanResult:
     """Plan ``spec`` on ``pools``; ``exclude`` holds the identities of strategies known to fail (after an
     out-of-memory failure: ``Strategy.identity``). ``model``: the model as its profile describes it
-    (``memfit.profiled_model``), else the sizes ``spec.model.architecture`` types (:func:`planned_model`)."""
+    (``memfit.profiled_model``), else the sizes ``spec.model.architecture`` types (:func:`planned_model`).
+    ``runtime``: the kernel packages the trainer has (default: what memfit's trainer image carries)."""
     started = time.perf_counter()
-    capacities = selected_pools(spec, pools)
-    search = _search(spec, capacities, {current_identity(known) for known in exclude}, planned_model(spec, model))
+    capacities = selected_pools(spec, pools, runtime)
+    exclude = {current_identity(known) for known in exclude}
+    search = _search(spec, capacities, exclude, planned_model(spec, model, runtime), runtime)
     fits = ranked(search.fits)
     candidates = [to_candidate(search.shape, fit) for fit in reported(fits)]
     nearest = nearest_first(list(search.nearest_misses.values()))[:MAX_REJECTED]
@@ -255,7 +263,8 @@ def plan_job(
     advice = []
     if chosen is None:
         unpinned = _unpinned_splits(search, capacities)
-        advice = advise(spec, misses, pools, search.untried, _lighter(search, capacities), unpinned)
+        defaults = _fitting_defaults(search, capacities)
+        advice = advise(spec, misses, pools, search.untried, _lighter(search, capacities), unpinned, defaults)
     return PlanResult(
         chosen=chosen,
         why_chosen=why_chosen(spec, fits) if fits else None,
@@ -269,30 +278,37 @@ def plan_job(
     )
 
 
-def planned_model(spec: FineTuneJobSpec, model: PlannedModel | None) -> PlannedModel:
+def planned_model(spec: FineTuneJobSpec, model: PlannedModel | None, runtime: Runtime = IMAGE_RUNTIME) -> PlannedModel:
     """``model`` (a profile's) if given, else the typed sizes; PlanningError when the job gives neither, or pins
-    what the model's description cannot estimate, or LoRA targets peft cannot build on it."""
+    what the model's description cannot estimate, LoRA targets peft cannot build on it, or packing it cannot
+    keep apart."""
     try:
         model = spec.planned_model(model)
     except ValueError as error:
         raise PlanningError(str(error)) from None
-    problem = spec.profile_problem(model)
+    problem = spec.profile_problem(model) or pinned_packing_problem(
+        spec.dataset.packing, spec.strategy.attention, model_facts(model), runtime
+    )
     if problem is not None:
         raise PlanningError(problem)
     return model
 
 
 def best_plan(
-    spec: FineTuneJobSpec, pools: Sequence[GPUPool], model: PlannedModel | None = None
+    spec: FineTuneJobSpec,
+    pools: Sequence[GPUPool],
+    model: PlannedModel | None = None,
+    runtime: Runtime = IMAGE_RUNTIME,
 ) -> PlanCandidate | None:
     """The plan ``plan_job`` would choose, without the report around it (no misses, no advice)."""
-    search = _search(spec, selected_pools(spec, pools), (), planned_model(spec, model))
+    search = _search(spec, selected_pools(spec, pools, runtime), (), planned_model(spec, model, runtime), runtime)
     fits = ranked(search.fits)
     return to_candidate(search.shape, fits[0]) if fits else None
 
 
-def selected_pools(spec: FineTuneJobSpec, pools: Sequence[GPUPool]) -> list[PoolCapacity]:
-    """The pools the job may use; PlanningError where it names none, or pins what none of them runs."""
+def selected_pools(spec: FineTuneJobSpec, pools: Sequence[GPUPool], runtime: Runtime) -> list[PoolCapacity]:
+    """The pools the job may use; PlanningError where it names none, or pins what none of them runs or the
+    trainer lacks."""
     wanted = spec.resources.pool
     if not pools:
         raise PlanningError("no GPUPool is declared: give an inventory (memfit plan --inventory POOLS.yaml)")
@@ -301,6 +317,8 @@ def selected_pools(spec: FineTuneJobSpec, pools: Sequence[GPUPool]) -> list[Pool
         names = ", ".join(p.metadata.name for p in pools)
         raise PlanningError(f"resources.pool {wanted!r} is not a declared GPUPool; declared pools: {names}")
     pinned = spec.strategy.attention
+    if pinned is not None and not runtime.runs(pinned):
+        raise PlanningError(f"strategy.attention {pinned}: {missing_package(pinned)}")
     if pinned in KERNEL_NEEDS and not any(runs_attention(pinned, capacity) for capacity in selected):
         products = ", ".join(sorted({f"{capacity.name} ({capacity.product})" for capacity in selected}))
         raise PlanningError(
@@ -311,16 +329,21 @@ def selected_pools(spec: FineTuneJobSpec, pools: Sequence[GPUPool]) -> list[Pool
 
 
 def _search(
-    spec: FineTuneJobSpec, capacities: list[PoolCapacity], exclude: Collection[str], shape: PlannedModel
+    spec: FineTuneJobSpec,
+    capacities: list[PoolCapacity],
+    exclude: Collection[str],
+    shape: PlannedModel,
+    runtime: Runtime,
 ) -> _Search:
     """Search every method on every pool. Master weights stay fp32 unless the spec pins them: bf16 masters
     change the numerics, so they are planned only where no plan fits with fp32 masters."""
     lora = lora_settings(spec, shape)
     pinned = spec.strategy.master_weights
     masters = pinned or MasterWeights.FP32
-    search = _search_methods(_Search(spec, shape, lora, frozenset(exclude), master_weights=masters), capacities)
+    excluded = frozenset(exclude)
+    search = _search_methods(_Search(spec, shape, lora, excluded, masters, runtime), capacities)
     if not search.fits and pinned is None:
-        bf16 = _Search(spec, shape, lora, frozenset(exclude), master_weights=MasterWeights.BF16)
+        bf16 = _Search(spec, shape, lora, excluded, MasterWeights.BF16, runtime)
         bf16 = _search_methods(bf16, capacities)
         search = bf16 if bf16.fits else search
     return search
@@ -348,7 +371,7 @@ def _lighter(search: _Search, capacities: list[PoolCapacity]) -> dict[str, PlanC
         return {}  # every method was searched
     lighter: dict[str, PlanCandidate | None] = {}
     for method in METHOD_PREFERENCE[METHOD_PREFERENCE.index(spec.method) + 1 :]:
-        alternative = _Search(spec, search.shape, search.lora, search.exclude, master_weights=search.master_weights)
+        alternative = _Search(spec, search.shape, search.lora, search.exclude, search.master_weights, search.runtime)
         if not (_method_refused(alternative, method) or _pinned_conflicts(alternative, method)):
             for capacity in capacities:
                 _search_pool(alternative, capacity, method)
@@ -377,11 +400,23 @@ def _unpinned_splits(search: _Search, capacities: list[PoolCapacity]) -> tuple[l
     if not pinned:
         return None
     unpinned = spec.model_copy(update={"strategy": spec.strategy.model_copy(update=dict.fromkeys(pinned))})
-    fits = _search(unpinned, capacities, search.exclude, search.shape).fits
+    fits = _search(unpinned, capacities, search.exclude, search.shape, search.runtime).fits
     if not fits:
         return None
     chosen = to_candidate(search.shape, ranked(fits)[0])
     return [SPLITTING_PINS[name] for name in pinned if getattr(chosen.strategy, name) != values[name]], chosen
+
+
+def _fitting_defaults(search: _Search, capacities: list[PoolCapacity]) -> list[tuple[DefaultChange, PlanCandidate]]:
+    """When nothing fits: each default of the job (:data:`DEFAULT_CHANGES`) whose change alone fits it, with the
+    plan ``plan_job`` would then choose."""
+    found = []
+    for change in DEFAULT_CHANGES:
+        if change.applies(search.spec):
+            fits = _search(change.applied(search.spec), capacities, search.exclude, search.shape, search.runtime).fits
+            if fits:
+                found.append((change, to_candidate(search.shape, ranked(fits)[0])))
+    return found
 
 
 def _methods(spec: FineTuneJobSpec) -> list[PlannedMethod]:
@@ -500,7 +535,7 @@ def _search_pool(search: _Search, capacity: PoolCapacity, method: PlannedMethod)
     if not precisions:
         return
     limit = int(capacity.gpu_memory_bytes * (1 - spec.resources.memory_headroom_percent / 100))
-    attention = pinned_attention or planned_attention(search.shape, capacity, search.sequence_length)
+    attention = pinned_attention or planned_attention(search.shape, capacity, search.sequence_length, search.runtime)
     pinned_ckpt = spec.strategy.gradient_checkpointing
     checkpointing = [pinned_ckpt] if pinned_ckpt is not None else [False, True]
     engines = _engines(spec.strategy.engine)
@@ -510,8 +545,16 @@ def _search_pool(search: _Search, capacity: PoolCapacity, method: PlannedMethod)
     for nodes, per_node in reversed(
         list(layouts(capacity, spec.resources.max_gpus, batch, spec.strategy.sequence_parallel))
     ):
-        splits = _splits(search, capacity, method, attention, nodes * per_node)
+        splits = [  # a pinned packing the split's kernel cannot keep apart: not this kernel
+            split
+            for split in _splits(search, capacity, method, attention, nodes * per_node)
+            if pinned_packing_problem(spec.dataset.packing, split.attention, search.facts, search.runtime) is None
+        ]
         tried = tried or bool(splits)
+        packing = {
+            split.attention: planned_packing(spec.dataset.packing, split.attention, search.facts, search.runtime)
+            for split in splits
+        }
         for precision, engine in itertools.product(precisions, engines):
             evaluated: dict[_KnobKey, _Largest] = {}
             options = search.zero_options(method, precision, capacity, nodes * per_node, engine)
@@ -540,6 +583,7 @@ def _search_pool(search: _Search, capacity: PoolCapacity, method: PlannedMethod)
                     master_weights=search.master_weights,
                     engine=engine,
                     sequence_parallel=split.degree,
+                    packing=packing[split.attention],
                 )
                 plain = _with_techniques(knobs, variants[0])
                 if search.outpaced(plain, micro_batches[0], split.per_gpu_batch, capacity):
@@ -603,7 +647,7 @@ def _split_attention(
     for kernel in kernels:
         knobs = replace(search.pinned, method=method, attention=kernel, sequence_parallel=degree)
         plannable = kernel == attention or search.shape.unplannable(Precision.BF16, kernel, frozenset()) is None
-        if runs_attention(kernel, capacity) and plannable and not knob_conflicts(knobs):
+        if can_plan(kernel, capacity, search.runtime) and plannable and not knob_conflicts(knobs):
             return kernel
     return None
 

@@ -95,8 +95,9 @@ def model_config(
     )
 
 
-def data_config(dataset: DatasetSpec, data_volume: str) -> DataConfig:
-    """The dataset as the trainer reads it: paths inside the data volume (validation files on the same one)."""
+def data_config(dataset: DatasetSpec, data_volume: str, packing: bool) -> DataConfig:
+    """The dataset as the trainer reads it: paths inside the data volume (validation files on the same one);
+    ``packing``: the plan's (the dataset's, or decided for the model where it says none)."""
     validation = dataset.validation
     return DataConfig(
         path=inside(data_volume, dataset.source.path),
@@ -106,7 +107,7 @@ def data_config(dataset: DatasetSpec, data_volume: str) -> DataConfig:
         prompt_field=dataset.prompt_field,
         completion_field=dataset.completion_field,
         train_on=dataset.train_on,
-        packing=dataset.packing,
+        packing=packing,
         validation=None
         if validation is None
         else ValidationConfig(
@@ -143,7 +144,7 @@ def render_trainer_config(
     return TrainerConfig(
         job=f"{job.metadata.namespace or 'default'}/{job.metadata.name}",
         model=model,
-        data=data_config(spec.dataset, mounts.data),
+        data=data_config(spec.dataset, mounts.data, strategy.packing),
         training=TrainingConfig(
             method=strategy.method,
             sequence_length=training.sequence_length,

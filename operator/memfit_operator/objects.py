@@ -29,6 +29,7 @@ from memfit.api.base import API_VERSION, GROUP, SecretKeyRef
 from memfit.api.finetunejob import FineTuneJob, FineTuneJobSpec
 from memfit.api.gpupool import GPU_PRODUCT_LABEL, GPUPool, pool_capacity
 from memfit.api.plan import PlanCandidate
+from memfit.api.runtime import IMAGE_RUNTIME, Runtime
 from memfit.api.vocabulary import ALL_LINEAR, MANAGED_BY, MANAGED_BY_LABEL, Offload
 from memfit.contract.engines import DeepSpeedEngineSection
 from memfit.contract.lifetime import TEARDOWN_SECONDS, stop_seconds
@@ -280,6 +281,9 @@ class TrainerOptions:
     cpu_image: str | None = None
     """Image of the trainer pods on CPU pools (``gpuProduct: cpu``: the trainer built for DeepSpeed's CPU
     accelerator); None: the one image of every pod."""
+    runtime: Runtime = IMAGE_RUNTIME
+    """The kernel packages the trainer image carries beyond torch (the chart's ``trainer.kernelPackages``):
+    plans use only their kernels."""
 
 
 def quantity(size: int) -> str:

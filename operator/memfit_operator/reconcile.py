@@ -321,7 +321,7 @@ def _plan(run: _Pass, job: FineTuneJob) -> bool:
     status = run.status
     chosen: PlanCandidate | None
     try:
-        result = plan_job(job.spec, run.observation.pools, exclude=status.excluded_strategies, model=run.model)
+        result = plan_job(job.spec, run.observation.pools, status.excluded_strategies, run.model, run.options.runtime)
     except PlanningError as error:
         chosen, advice = None, str(error)
     else:
@@ -623,7 +623,7 @@ def _replan_after_oom(
     status.excluded_strategies.append(plan.strategy.identity())
     checkpointed = status.progress is not None and status.progress.last_checkpoint_step is not None
     result, layout_kept = replan_after_oom(
-        job.spec, run.observation.pools, plan, status.excluded_strategies, model=run.model, checkpointed=checkpointed
+        job.spec, run.observation.pools, plan, status.excluded_strategies, run.model, checkpointed, run.options.runtime
     )
     if result.chosen is None:
         advice = "; ".join(result.advice)

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from memfit.api.runtime import IMAGE_RUNTIME, Runtime
 from memfit.units import GIB
 from memfit_operator.objects import METRICS_PORT, TrainerOptions
 
@@ -42,6 +43,9 @@ class OperatorSettings:
     """Create a NetworkPolicy with each attempt (the chart turns it on: networkPolicy.enabled)."""
     network_policy_metrics_from: tuple[Mapping[str, Any], ...] = ()
     """NetworkPolicy peers (the operator, Prometheus) let into the trainer pods' metrics ports."""
+    trainer_runtime: Runtime = IMAGE_RUNTIME
+    """The kernel packages the trainer image carries beyond torch (flash-attn...): the chart's
+    ``trainer.kernelPackages``, comma-separated in MEMFIT_TRAINER_KERNEL_PACKAGES."""
 
     def trainer_options(self) -> TrainerOptions:
         return TrainerOptions(
@@ -49,6 +53,7 @@ class OperatorSettings:
             network_policy=self.network_policy,
             metrics_peers=self.network_policy_metrics_from,
             cpu_image=self.trainer_cpu_image or None,
+            runtime=self.trainer_runtime,
         )
 
     @classmethod
@@ -88,4 +93,12 @@ class OperatorSettings:
             trainer_cache_gib=number("MEMFIT_TRAINER_CACHE_GIB", defaults.trainer_cache_gib),
             network_policy=flag("MEMFIT_NETWORK_POLICY", defaults.network_policy),
             network_policy_metrics_from=peers("MEMFIT_NETWORK_POLICY_METRICS_FROM"),
+            trainer_runtime=_kernel_packages(env.get("MEMFIT_TRAINER_KERNEL_PACKAGES", "")),
         )
+
+
+def _kernel_packages(value: str) -> Runtime:
+    try:
+        return Runtime.of(value.split(","))
+    except ValueError as error:
+        raise ValueError(f"MEMFIT_TRAINER_KERNEL_PACKAGES: {error}") from None

@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from dockerfile_parse import DockerfileParser
 
+from memfit.api.runtime import IMAGE_RUNTIME
 from tests.chart.render import ROOT
 
 POD_USER = 10001
@@ -257,7 +259,7 @@ def test_trainer_installs_like_the_makefile(dockerfile: dict[str, Stage]) -> Non
     assert "--no-build-isolation -e '.[operator,trainer,dev]'" in makefile
     assert installs[2:] == [
         ["--no-build-isolation", "-r", "requirements.txt"],
-        ["--no-build-isolation", "flash-attn>=2.7,<3"],  # CUDA images only: the Makefile's machine has no nvcc
+        ["--no-build-isolation", "${KERNEL_PACKAGES}"],  # none by default (test_kernel_packages_...)
         ["--no-deps", "--no-build-isolation", "."],
     ]
     assert any("-m venv /opt/memfit" in run for run in stage.runs) and "PATH=/opt/memfit/bin:$PATH" in stage.env
@@ -274,3 +276,19 @@ def test_trainer_prebuilds_deepspeed_ops_for_its_cuda(dockerfile: dict[str, Stag
     assert cuda and index and index.group(1) == cuda.group(1) + cuda.group(2), "torch's CUDA differs from nvcc's"
     assert any("libaio-dev" in run for run in stage.runs)  # async I/O (NVMe offload) links against it
     assert "TORCH_EXTENSIONS_DIR=/tmp/" in stage.env  # writable by the non-root user (the pod mounts /tmp)
+
+
+def test_kernel_packages_the_image_carries_are_what_the_chart_and_the_planner_say(
+    dockerfile: dict[str, Stage],
+) -> None:
+    """The trainer image installs no kernel package beyond its requirements unless built with KERNEL_PACKAGES;
+    the chart's default trainer.kernelPackages and the planner's image runtime say the same, so the operator's
+    default plans use only kernels the default image has."""
+    stage = dockerfile["trainer"]
+    assert stage.args["KERNEL_PACKAGES"] == '""'
+    (kernel_step,) = [run for run in stage.runs if "${KERNEL_PACKAGES}" in run]
+    assert kernel_step.startswith('[ -z "${KERNEL_PACKAGES}" ] ||')
+    values = yaml.safe_load((ROOT / "charts" / "memfit" / "values.yaml").read_text())
+    assert values["trainer"]["kernelPackages"] == sorted(IMAGE_RUNTIME.packages) == []
+    requirements = pyproject()["project"]["optional-dependencies"]["trainer"]
+    assert not [dep for dep in requirements if re.match(r"(flash-attn|flash-linear-attention)\b", dep)]

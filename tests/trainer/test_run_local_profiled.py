@@ -3,7 +3,8 @@ from the profile, trained to the end on 2 CPU ranks (the Done-means of planning 
 
 Each family keeps its layer pattern in a tiny random model (tests.trainer.new_families): Gated DeltaNet and
 full attention (qwen3_5_text), sliding and full layers with per-layer inputs (gemma4_text), fused experts
-(qwen3_moe) and gpt-oss's eager-only attention with sinks. The plan chooses everything the job does not pin.
+(qwen3_moe) and gpt-oss's eager-only attention with sinks. The plan chooses everything the job does not pin,
+packing included: Qwen3.5's default LoRA job trains unpacked.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from tests.trainer.runs import logged_losses, trainer_env
 
 STEPS = 3
 FAMILIES: dict[str, dict[str, Any]] = {
-    "qwen3_5_text": {"method": "full", "packing": False},  # Gated DeltaNet cannot keep packed documents apart
+    "qwen3_5_text": {"method": "lora"},  # the defaults: Gated DeltaNet cannot keep packed documents apart
     "gemma4_text": {"method": "full"},
     "qwen3_moe": {"method": "lora", "lora": {"dropout": 0.0}},  # peft adapts the fused experts in place
     "gpt_oss": {"method": "lora"},
@@ -52,7 +53,6 @@ def write_job(tmp_path: Path, model_type: str) -> Path:
                 "source": {"pvc": "data", "path": "train.jsonl"},
                 "format": "jsonl",
                 "textField": "text",
-                "packing": options.get("packing", True),
             },
             "method": options["method"],
             "training": {
@@ -97,6 +97,8 @@ def test_a_model_directory_without_typed_sizes_is_profiled_planned_and_trained(t
     ).is_file()
     if model_type == "gpt_oss":
         assert config["training"]["attention"] == "eager"  # transformers has no SDPA for it
+    # Packing left to the plan: off only where linear-attention layers would mix packed documents.
+    assert config["data"]["packing"] is (model_type != "qwen3_5_text")
 
 
 @pytest.mark.slow  # memfit run starting the trainer: about 20 s

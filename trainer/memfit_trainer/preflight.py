@@ -18,13 +18,21 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from memfit.api.vocabulary import EIGHT_BIT_OPTIMIZERS, Attention, Devices, Engine, Method, Optimizer, Precision
+from memfit.api.vocabulary import (
+    BYTE_TOKENIZER_VOCAB,
+    EIGHT_BIT_OPTIMIZERS,
+    Attention,
+    Devices,
+    Engine,
+    Method,
+    Optimizer,
+    Precision,
+)
 from memfit.contract.engines import DeepSpeedEngineSection
 from memfit.contract.model_match import model_directory_problem
 from memfit.contract.reader import ConfigError
 from memfit.contract.trainer_config import TrainerConfig
 
-BYTE_TOKENIZER_VOCAB = 258
 """Token ids the byte-level tokenizer of random-init models emits (256 bytes, EOS, pad)."""
 NEEDS_BITSANDBYTES = EIGHT_BIT_OPTIMIZERS | {Optimizer.LION}
 """Client optimizers (those the DeepSpeed section does not build) that come from bitsandbytes."""
