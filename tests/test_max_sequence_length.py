@@ -54,8 +54,8 @@ def test_the_table_names_each_pool_with_its_length_and_plan(capsys: pytest.Captu
     spec = next(j for j in documents.jobs if j.metadata.name == "llama-3.1-8b-qlora").spec
     (row,) = longest_sequence(spec, documents.pools)  # the job names its pool
     assert row.sequence_length is not None and row.plan is not None
-    assert f"{row.sequence_length:,}" in out and "peer-8-1gib" in out
-    assert "searching the longest sequenceLength on pool peer-8-1gib" in err
+    assert f"{row.sequence_length:,}" in out and "rtx-4090" in out
+    assert "searching the longest sequenceLength on pool rtx-4090" in err
 
 
 def test_json_gives_every_pool(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -158,7 +158,7 @@ def test_cpu_trainer_names_deepspeeds_cpu_accelerator(dockerfile: dict[str, Stag
 
 def test_make_images_builds_the_operator_and_the_cpu_trainer_on_the_local_base() -> None:
     makefile = (ROOT / "Makefile").read_text()
-    recipe = makefile.split("\nimages:\n", 1)[1].split("\n\n", 1)[0]
+    recipe = re.split(r"\nimages:[^\n]*\n", makefile, maxsplit=1)[1].split("\n\n", 1)[0]
     assert "images/base.sh $(BASE_IMAGE)" in recipe and "--target operator" in recipe
     assert "--build-arg TRAINER_VARIANT=cpu" in recipe and "TORCH_VERSION=$(patsubst torch==%,%,$(TORCH))+cpu" in recipe
     for base in ("OPERATOR_BASE", "TRAINER_BASE"):
