@@ -9,15 +9,15 @@ TORCH ?= torch==2.13.0
 
 # Debian's promtool checks the metrics the trainer exports (tests/trainer/test_metrics.py).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-# A real kube-apiserver + etcd for tests/k8s (the envtest convention): KUBEBUILDER_ASSETS if set, else the
-# shared script builds and caches them (minutes the first time).
-ENVTEST ?= ../shared/k8s/envtest-assets
+# A real kube-apiserver + etcd for tests/k8s (the envtest convention): KUBEBUILDER_ASSETS if set, else
+# hack/envtest-assets builds and caches them from Debian's packages (minutes the first time).
+ENVTEST ?= hack/envtest-assets
 # DeepSpeed compiles its CPU ops on first use (minutes): keep them across runs, one directory per virtual
 # environment (ninja rebuilds an op whose include paths changed, so two checkouts sharing one directory would
 # rebuild each other's ops, and wait on each other's locks, on every alternation).
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/memfit/torch_extensions/$(shell printf %s "$(abspath $(VENV))" | sha256sum | cut -c1-12)
 
-.PHONY: setup tools test test-fast demo profiles crds dashboards lint bench images images-load e2e
+.PHONY: setup tools test test-fast demo profiles crds dashboards lint bench image-tools images images-load e2e
 
 setup: $(VENV)/.installed
 
@@ -34,7 +34,7 @@ tools:
 
 # --durations: CI's log says where its minutes go (the suite must leave `make e2e` room in CI's 60).
 test: setup tools
-	KUBEBUILDER_ASSETS="$${KUBEBUILDER_ASSETS:-$$($(ENVTEST))}" OMP_NUM_THREADS=1 $(PY) -m pytest --durations=30
+	assets="$$($(ENVTEST))" && KUBEBUILDER_ASSETS="$$assets" OMP_NUM_THREADS=1 $(PY) -m pytest --durations=30
 
 # The inner loop: no API server, no torchrun, nothing over ~2 s (the markers are in pyproject.toml); under a
 # minute on 2 cores. promtool is still needed (tests/monitoring, tests/trainer/test_metrics.py).
@@ -75,7 +75,7 @@ bench: setup
 	PYTHONPATH=. $(PY) bench/estimate_vs_trace.py | tail -n 8
 	DS_ACCELERATOR=cpu $(PY) bench/trainer_vs_deepspeed.py
 	$(PY) bench/verify_speed.py
-	KUBEBUILDER_ASSETS="$${KUBEBUILDER_ASSETS:-$$($(ENVTEST))}" $(PY) bench/operator_scale.py --jobs 500
+	assets="$$($(ENVTEST))" && KUBEBUILDER_ASSETS="$$assets" $(PY) bench/operator_scale.py --jobs 500
 
 # The operator image and a CPU trainer built with podman from the Dockerfile, on a machine that pulls from no
 # container registry: their base is a Debian made here from Debian's packages (images/base.sh, cached).
@@ -98,10 +98,16 @@ TORCH_CPU_INDEX ?= https://pypi.org/simple
 PODMAN_BUILD = $(PODMAN) build --network host --build-arg OPERATOR_BASE=$(BASE_IMAGE) \
 	--build-arg TRAINER_BASE=$(BASE_IMAGE) -v $(CA_BUNDLE):/run/build/ca.crt:ro -v $(BUILD_PIP_CONF):/etc/pip.conf:ro \
 	$(if $(WHEELS),-v $(WHEELS):/run/build/wheels:ro)
-# The node's containerd (../shared/k8s/node up), in the namespace the kubelet's images live in.
+# The node's containerd (hack/node up), in the namespace the kubelet's images live in.
 CONTAINERD_SOCK ?= /run/containerd/containerd.sock
 
-images:
+# podman from Debian where it is missing, with runc: images/containers.conf picks runc (crun refuses the hybrid
+# cgroups of machines like CI's) and cgroupfs.
+image-tools:
+	@command -v $(PODMAN) >/dev/null && command -v runc >/dev/null || { $(SUDO) apt-get update -qq && \
+		$(SUDO) apt-get install -y -qq --no-install-recommends podman runc >/dev/null; }
+
+images: image-tools
 	images/base.sh $(BASE_IMAGE) $(DEBIAN_MIRROR)
 	mkdir -p build && printf '[global]\ncert = /run/build/ca.crt\n$(if $(WHEELS),find-links = /run/build/wheels\n)' > $(BUILD_PIP_CONF)
 	$(PODMAN_BUILD) --target operator -t $(OPERATOR_IMAGE) .
@@ -111,18 +117,19 @@ images:
 
 images-load:
 	@ctr --address $(CONTAINERD_SOCK) version >/dev/null 2>&1 || \
-		{ echo "images-load: no containerd at $(CONTAINERD_SOCK): start the node first (../shared/k8s/node up)"; exit 1; }
+		{ echo "images-load: no containerd at $(CONTAINERD_SOCK): start the node first (hack/node up)"; exit 1; }
 	for image in $(OPERATOR_IMAGE) $(TRAINER_IMAGE); do \
 		$(PODMAN) save --format docker-archive $$image | ctr --address $(CONTAINERD_SOCK) -n k8s.io images import - || exit 1; \
 	done
 
-# The whole product on a real single-node cluster (../shared/k8s/node: root, containerd): build and start the
-# node, build the images (their dependency layers cached) and load them, then e2e/ installs the chart and runs
-# jobs with real pods. The node is stopped afterwards, whatever the tests said.
-NODE ?= ../shared/k8s/node
+# The whole product on a real single-node cluster (hack/node: root, containerd): build the node and the images
+# (both cached), start the node and load the images, then e2e/ installs the chart and runs jobs with real pods.
+# The node is stopped afterwards, whatever the loading or the tests said.
+NODE ?= hack/node
 e2e: setup
 	$(NODE) build
+	$(MAKE) images
 	$(NODE) down >/dev/null 2>&1 || true   # a node left up by an earlier run: `up` starts a fresh one
 	$(NODE) up
-	$(MAKE) images images-load
+	$(MAKE) images-load || { $(NODE) down; exit 1; }
 	OMP_NUM_THREADS=1 $(PY) -m pytest e2e -p no:cacheprovider; status=$$?; $(NODE) down; exit $$status

@@ -1,4 +1,4 @@
-"""The real node of ``../shared/k8s/node`` as the end-to-end tests drive it: kubectl, applying objects,
+"""The real node of ``hack/node`` as the end-to-end tests drive it: kubectl, applying objects,
 waiting, and the claims a job's pods mount (static hostPath PersistentVolumes: a one-node cluster has no
 provisioner)."""
 
@@ -21,8 +21,9 @@ import yaml
 from tests.k8s.cluster import wait_for as cluster_wait_for
 
 REPO = Path(__file__).resolve().parents[1]
-NODE_DIR = Path(os.environ.get("NODE_DIR", Path.home() / ".cache" / "k8s-node"))
-"""Where ``../shared/k8s/node`` keeps its binaries and run state (its own default)."""
+CACHE_HOME = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+NODE_DIR = Path(os.environ.get("NODE_DIR") or CACHE_HOME / "k8s-node")
+"""Where ``hack/node`` keeps its binaries and run state (its own default)."""
 KUBECONFIG = NODE_DIR / "run" / "admin.kubeconfig"
 POLL_SECONDS = 2.0
 BRIDGE_ADDRESS = os.environ.get("POD_CIDR", "10.244.0.0/24").rsplit(".", 1)[0] + ".1"

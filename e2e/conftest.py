@@ -57,7 +57,7 @@ def reset() -> None:
 @pytest.fixture(scope="session")
 def installed() -> Iterator[list[dict[str, Any]]]:
     if not KUBECONFIG.exists() or kubectl("get", "--raw", "/readyz", check=False).strip() != "ok":
-        pytest.fail(f"no node answers at {KUBECONFIG}: run `make e2e` (it starts ../shared/k8s/node first)")
+        pytest.fail(f"no node answers at {KUBECONFIG}: run `make e2e` (it starts hack/node first)")
     reset()
     bridge = ApiBridge()
     apply([api_endpoints()])

@@ -27,7 +27,7 @@ VALUES = {
 VARIANTS = {"all-namespaces": VALUES, "one-namespace": {**VALUES, "watchNamespace": "team-a"}}
 CRD_FILES = sorted((CHART / "crds").glob("*.yaml"))
 ENVTEST_KUBE_VERSION = "v1.20.2"
-"""The API server here (shared/k8s builds 1.20): the chart picks the API versions it serves."""
+"""The API server ``hack/envtest-assets`` builds: the chart picks the API versions it serves."""
 OPERATOR_USER = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_SERVICE_ACCOUNT}"
 Installed = tuple[ApiServer, client.ApiClient, list[dict[str, Any]], str]
 

@@ -1,5 +1,5 @@
 """A real kube-apiserver + etcd for tests, from the envtest convention (``KUBEBUILDER_ASSETS`` = a folder
-with ``kube-apiserver`` and ``etcd``; ``../shared/k8s/envtest-assets`` builds one, users may bring their
+with ``kube-apiserver`` and ``etcd``; ``hack/envtest-assets`` builds one, users may bring their
 own). Loopback only, free ports, a fresh data directory, a static admin token."""
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _assets() -> Path:
     folder = os.environ.get("KUBEBUILDER_ASSETS")
     if not folder:
         raise EnvtestUnavailable(
-            "KUBEBUILDER_ASSETS is not set: `make test` sets it from ../shared/k8s/envtest-assets, or point it at "
+            "KUBEBUILDER_ASSETS is not set: `make test` sets it from hack/envtest-assets, or point it at "
             "a folder with kube-apiserver and etcd"
         )
     path = Path(folder)
