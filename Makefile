@@ -32,14 +32,18 @@ tools:
 	@command -v promtool >/dev/null || { $(SUDO) apt-get update -qq && \
 		$(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
-# --durations: CI's log says where its minutes go (the suite must leave `make e2e` room in CI's 60).
+# One pytest worker per core (pytest-xdist; TEST_WORKERS=1 runs in one process), each test module on one worker
+# (its module fixtures, an API server or a shared run, are built once). --durations: CI's log says where its
+# minutes go (the suite must leave `make e2e` room in CI's 60).
+TEST_WORKERS ?= auto
+PYTEST = OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 test: setup tools
-	assets="$$($(ENVTEST))" && KUBEBUILDER_ASSETS="$$assets" OMP_NUM_THREADS=1 $(PY) -m pytest --durations=30
+	assets="$$($(ENVTEST))" && KUBEBUILDER_ASSETS="$$assets" $(PYTEST) --durations=30
 
-# The inner loop: no API server, no torchrun, nothing over ~2 s (the markers are in pyproject.toml); under a
+# The inner loop: no API server, no torchrun, nothing over ~1 s (the markers are in pyproject.toml); under a
 # minute on 2 cores. promtool is still needed (tests/monitoring, tests/trainer/test_metrics.py).
 test-fast: setup tools
-	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not k8s and not distributed and not slow"
+	$(PYTEST) -m "not k8s and not distributed and not slow"
 
 demo: setup
 	$(VENV)/bin/memfit run examples/tiny/job.yaml --local

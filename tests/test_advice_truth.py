@@ -520,6 +520,7 @@ def _batch_divisible(m: re.Match[str], case: Case, result: PlanResult) -> bool:
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.slow
 def test_every_advice_line_is_true_of_its_inputs(scenario: str) -> None:
     case = SCENARIOS[scenario]()
     result = case.plan()

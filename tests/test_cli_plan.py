@@ -324,6 +324,7 @@ def test_missing_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> Non
     assert code == 2 and "cannot read" in err
 
 
+@pytest.mark.slow
 def test_console_script_is_installed() -> None:
     completed = subprocess.run(
         [Path(sys.executable).parent / "memfit", "plan", JOB, "-i", INVENTORY, "-o", "json"],

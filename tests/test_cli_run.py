@@ -283,6 +283,7 @@ def test_relay_withholds_what_follows_a_ranks_refusal(capsys: pytest.CaptureFixt
     assert capsys.readouterr().err == "Traceback\nboom\n"
 
 
+@pytest.mark.slow
 def test_a_trainer_start_up_refusal_arrives_as_its_one_line(tiny_job: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", str(tiny_job), "--local", "--nproc", "2", "--dry-run"]) == 0
     workdir = tiny_job.parent / "output" / "tiny" / ".memfit"

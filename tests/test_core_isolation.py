@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # each starts memfit in a fresh interpreter
+
 ROOT = Path(__file__).parent.parent
 
 BLOCKER = """

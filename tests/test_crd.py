@@ -104,6 +104,7 @@ def _immutability_rule() -> tuple[str, dict]:
 
 
 @pytest.mark.parametrize("field", [f.alias or n for n, f in FineTuneJobSpec.model_fields.items()])
+@pytest.mark.slow
 def test_the_cel_rule_lets_only_suspend_change(field: str) -> None:
     """The CRD's transition rule (Kubernetes 1.25+, which the test API server predates), evaluated by a CEL
     implementation on a defaulted spec, as the API server sees it: after the first launch (status.launchedSpec),

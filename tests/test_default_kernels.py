@@ -66,6 +66,7 @@ def _image_distributions() -> set[str]:
 
 @pytest.mark.parametrize("kind", POOL_KINDS)
 @pytest.mark.parametrize("model", JOBS)
+@pytest.mark.slow
 def test_the_default_plan_uses_kernels_the_image_and_the_local_install_have(kind: str, model: str) -> None:
     spec = JOBS[model]()
     for runtime, installed in ((IMAGE_RUNTIME, _image_distributions()), (Runtime.local(), None)):

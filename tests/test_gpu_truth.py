@@ -227,6 +227,7 @@ def rank0(tmp_path: Path) -> Iterator[TrainerMetrics]:
 
 
 @pytest.mark.parametrize("warmup", [1, 3, 7])
+@pytest.mark.slow
 def test_steady_rate_from_the_trainers_progress_file(tmp_path: Path, rank0: TrainerMetrics, warmup: int) -> None:
     """SYNTHETIC step times fed to the trainer's real TrainerMetrics: the progress file read after the warm-up
     step and after the last gives exactly the rate of the steps in between."""
@@ -354,6 +355,7 @@ def test_trainer_ranks_are_found_below_the_run(fake_ranks: dict[str, subprocess.
     assert gpu_truth.trainer_ranks(fake_ranks["rank0"].pid) == {}
 
 
+@pytest.mark.slow
 def test_the_metrics_port_is_found_among_the_listening_sockets(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gpu_truth, "SCRAPE_TIMEOUT_SECONDS", 0.5)
 

@@ -26,6 +26,7 @@ def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
 
 
 @pytest.mark.parametrize("method", ["qlora", "lora", "full"])
+@pytest.mark.slow
 def test_the_longest_length_fits_and_one_token_more_does_not(method: str) -> None:
     spec = job("llama-3.1-8b", method, batch=2)
     pools = [RTX_4090, ONE_A100]
@@ -58,6 +59,7 @@ def test_the_table_names_each_pool_with_its_length_and_plan(capsys: pytest.Captu
     assert "searching the longest sequenceLength on pool rtx-4090" in err
 
 
+@pytest.mark.slow
 def test_json_gives_every_pool(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     path = tmp_path / "job.yaml"
     document = {"apiVersion": "memfit.dev/v1alpha1", "kind": "FineTuneJob", "metadata": {"name": "j"},
@@ -99,6 +101,7 @@ LONG_CONTEXT = [
 
 
 @pytest.mark.parametrize(("gpus", "at_least"), LONG_CONTEXT, ids=["8xH100", "1xH100"])
+@pytest.mark.slow
 def test_llama_8b_full_reaches_the_long_context_figures(gpus: Any, at_least: int) -> None:
     spec = job("llama-3.1-8b", "full", training={"globalBatchSize": 1, "precision": "bf16"})
     (row,) = longest_sequence(spec, [gpus], runtime=WITH_FLASH_ATTN)

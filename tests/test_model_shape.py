@@ -26,6 +26,7 @@ def test_published_parameter_counts(preset: str) -> None:
 
 
 @pytest.mark.parametrize("preset", sorted(MODEL_PRESETS))
+@pytest.mark.slow
 def test_counts_equal_the_transformers_model(preset: str) -> None:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")

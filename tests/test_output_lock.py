@@ -69,6 +69,7 @@ DYING = (
 )
 
 
+@pytest.mark.slow
 def test_a_probe_waits_for_a_dying_holder_and_refuses_a_live_one(tmp_path: Path) -> None:
     """A run killed a moment ago whose processes are still going (here: its pid gone, a child that inherited the
     lock ending 3 s later) is waited for; a live holder is refused at once (not after the dying holder's wait)."""

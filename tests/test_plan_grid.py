@@ -18,6 +18,8 @@ from tests.plan_grid import INVENTORY, grid_jobs
 
 GRID = dict(grid_jobs())
 
+pytestmark = pytest.mark.slow  # the module plans every job of the grid
+
 
 @pytest.fixture(scope="module")
 def plans() -> dict[str, PlanResult]:

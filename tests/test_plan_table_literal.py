@@ -71,6 +71,7 @@ def test_names_with_markup_and_escape_codes_print_literally(text: str) -> None:
 
 
 @pytest.mark.parametrize("text", HOSTILE)
+@pytest.mark.slow
 def test_nothing_fits_prints_advice_and_misses_literally(text: str) -> None:
     job, pools = hostile_job(text, method="full", preset="llama-2-70b"), [hostile_pool(text)]
     result = plan_job(job.spec, pools)

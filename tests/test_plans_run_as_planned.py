@@ -56,6 +56,7 @@ def plans(spec: FineTuneJobSpec, pools: list[GPUPool]) -> list[PlanCandidate]:
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.slow
 def test_no_plan_breaks_a_rule_of_deepspeed_or_the_trainer(scenario: str) -> None:
     spec, pools = SCENARIOS[scenario]
     found = plans(spec, pools)
@@ -75,6 +76,7 @@ def test_no_plan_breaks_a_rule_of_deepspeed_or_the_trainer(scenario: str) -> Non
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.slow
 def test_the_trainer_accepts_every_plan(scenario: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each plan rendered as the operator renders it passes the trainer's config validation and preflight
     (on a machine whose accelerator has what the pool's GPUs have: that is the catalog's business)."""

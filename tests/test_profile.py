@@ -79,8 +79,6 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 MOE_FAMILIES = ("qwen3_moe", "gpt_oss", "llama4_text")
 STORED_WIDTHS = {"qwen3-8b": (32, 8, 128), "qwen3.5-27b": (24, 4, 256), "gemma-4-31b": (32, 4, 512)}
 """Attention heads, key-value heads and head width of some stored configs (their text configs)."""
-SLOW_TO_BUILD = {"qwen3-30b-a3b"}
-"""Over 2 s on 2 cores: 48 layers of 128 fused experts for peft to wrap."""
 
 
 def tiny(family: str) -> dict[str, Any]:
@@ -191,9 +189,10 @@ def test_tied_embeddings_have_no_lm_head(profiles: dict[str, ModelProfile]) -> N
     [
         (None, "no such file"),
         ("", "no config.json"),
-        pytest.param('{"model_type": "no_such_model"}', "unknown model_type", marks=pytest.mark.slow),
+        ('{"model_type": "no_such_model"}', "unknown model_type"),
     ],
 )
+@pytest.mark.slow
 def test_bad_input_exits_2_with_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str | None, message: str
 ) -> None:
@@ -220,9 +219,8 @@ def test_every_stored_config_has_a_golden_total() -> None:
     assert stored_config_names() == sorted(STORED_TOTALS)
 
 
-@pytest.mark.parametrize(
-    "name", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_TO_BUILD else name for name in STORED_TOTALS]
-)
+@pytest.mark.parametrize("name", list(STORED_TOTALS))
+@pytest.mark.slow  # each builds a real-size model on the meta device
 def test_stored_configs_build_to_their_golden_totals(name: str) -> None:
     path = stored_config_path(name)
     assert path is not None

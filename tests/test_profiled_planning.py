@@ -179,6 +179,7 @@ def empty_profile_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path
 
 
 @pytest.mark.parametrize("name", DONE_MEANS)
+@pytest.mark.slow
 def test_memfit_plan_plans_a_model_directory_from_its_config_json(
     name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], empty_profile_cache: Path
 ) -> None:
@@ -518,6 +519,7 @@ def test_tiled_mlps_spare_a_long_sequence_its_mlp_activations() -> None:
 
 
 @pytest.mark.parametrize(("gpus", "longest"), [(1, 300_000), (8, 1_048_576)])
+@pytest.mark.slow
 def test_llama_full_fine_tuning_reaches_issue_23s_lengths_on_h100s(gpus: int, longest: int) -> None:
     """Issue 23's figures, from the stored profile: Llama-3.1-8B full fine-tuning past 300K tokens on one H100
     (flash attention, with flash-attn installed, and tiled MLPs) and past 1M on eight (the sequence split over them)."""

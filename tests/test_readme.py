@@ -22,6 +22,7 @@ EXAMPLES = [
 
 
 @pytest.mark.parametrize(("command", "start", "end"), EXAMPLES, ids=lambda value: str(value)[:60])
+@pytest.mark.slow
 def test_each_example_is_the_output_of_its_command(command: str, start: int, end: int) -> None:
     assert comparable(TEXT[start:end]) == comparable(run(command)), (
         f"the README's output of `{command}` is stale: python tests/readme_outputs.py"

@@ -31,6 +31,7 @@ def example_job(name: str) -> FineTuneJob:
 
 
 @pytest.mark.parametrize(("name", "method", "precision"), list(itertools.product(JOBS, METHODS, PRECISIONS)))
+@pytest.mark.slow
 def test_every_candidate_of_the_examples_renders_a_config_the_trainer_loads(
     name: str, method: Method, precision: Precision, tmp_path: Path
 ) -> None:

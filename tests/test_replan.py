@@ -92,6 +92,7 @@ def test_checkpoint_layout_ignores_knobs_that_do_not_change_the_checkpoint() -> 
 
 
 @pytest.mark.parametrize("update", [{"method": "lora"}, {"precision": "fp16"}, {"zero_stage": 3}, {"gpus_per_node": 4}])
+@pytest.mark.slow
 def test_checkpoint_layout_changes_with_each_of_its_parts(update: dict[str, Any]) -> None:
     plan = first_plan(spec())
     changed = plan.model_copy(update={"strategy": replace(plan.strategy, **update)})
@@ -121,6 +122,7 @@ def test_under_the_leaner_headroom_the_failed_estimate_no_longer_fits_and_ten_pe
 
 
 @pytest.mark.parametrize("share", [0.5, 0.8, 0.95, 0.999])
+@pytest.mark.slow
 def test_leaner_headroom_for_several_failed_shares(share: float) -> None:
     job = spec()
     plan = first_plan(job)
@@ -169,6 +171,7 @@ def test_the_first_replan_of_the_example_keeps_the_layout_and_is_leaner() -> Non
     assert global_batch(chosen) == job.training.global_batch_size
 
 
+@pytest.mark.slow
 def test_a_chain_of_replans_gets_strictly_leaner_and_honours_every_exclusion() -> None:
     job = spec()
     failed = first_plan(job)
@@ -190,6 +193,7 @@ def test_a_chain_of_replans_gets_strictly_leaner_and_honours_every_exclusion() -
     assert len(excluded) >= 4 and seen_change
 
 
+@pytest.mark.slow
 def test_layout_is_kept_whenever_some_same_layout_strategy_fits() -> None:
     """When kept is False, no strategy with the failed layout fits under the leaner headroom."""
     job = spec()

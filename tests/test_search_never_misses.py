@@ -235,6 +235,7 @@ WIDE = {
 
 
 @pytest.mark.parametrize("case", list(FAST))
+@pytest.mark.slow
 def test_the_search_misses_no_pinned_plan(case: str) -> None:
     job, pool = FAST[case]
     assert list(misses(job, pool)) == []

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from memfit.api.vocabulary import ALL_LINEAR
 from memfit.catalog.model_configs import stored_profile_of
 from memfit.cli.exit_codes import ExitCode
+from memfit.contract.lifetime import tied_environment
 from memfit.contract.model_match import CONFIG_FILE, read_model_config
 from memfit.profile import PROFILE_VERSION, ModelProfile, canonical_config_sha256
 
@@ -42,7 +43,11 @@ def make_profile(path: Path, lora_targets: Sequence[str] = (), activations: bool
         command += ["--lora-targets", targets]
     if activations:
         command.append("--activations")
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    # Its own session: a Ctrl-C at the terminal reaches memfit alone, which kills it (subprocess.run does on any
+    # exception); tied to this process, it ends with it however this ends (memfit.contract.lifetime).
+    done = subprocess.run(
+        command, capture_output=True, text=True, check=False, env=tied_environment(), start_new_session=True
+    )
     if done.returncode != 0:
         lines = done.stderr.strip().splitlines()
         last = lines[-1] if lines else f"memfit profile: error: exit {done.returncode}"

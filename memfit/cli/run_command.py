@@ -46,7 +46,7 @@ from memfit.api.runtime import Runtime
 from memfit.cli.exit_codes import ExitCode
 from memfit.cli.local_machine import inspect_machine, local_pool
 from memfit.cli.model_profiles import ProfileFailed, directory_profile
-from memfit.contract.lifetime import signal_when_parent_dies, stop_seconds
+from memfit.contract.lifetime import end_with_parent, stop_seconds
 from memfit.contract.model_match import model_directory_problem
 from memfit.contract.output_lock import lock_holder
 from memfit.contract.sections import MetricsConfig
@@ -339,13 +339,7 @@ def relay_stderr(stream: IO[bytes], stopping: Callable[[], bool] = lambda: False
 
 def _tied_to(parent: int) -> Callable[[], None]:
     """torchrun's pre-exec hook: SIGTERM when ``parent`` ends; exit at once if it already has."""
-
-    def tie() -> None:
-        signal_when_parent_dies()
-        if os.getppid() != parent:
-            os._exit(1)
-
-    return tie
+    return lambda: end_with_parent(parent)
 
 
 def _start_torchrun(command: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:

@@ -106,6 +106,7 @@ def validate_custom_resource(obj: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.slow
 def test_every_object_is_valid(variant: str) -> None:
     objects = rendered(variant)
     assert {o["kind"] for o in objects} == EXPECTED_KINDS[variant]

@@ -40,6 +40,7 @@ def check_bad(case: Case, path: Path, code: int, out: str, err: str) -> None:
         assert text in line, f"{text!r} missing from {line!r}"
 
 
+@pytest.mark.slow
 def test_the_corpus_is_large_and_deterministic(tmp_path: Path) -> None:
     assert sum(not case.valid for case in CASES) >= 200
     assert sum(case.valid for case in CASES) >= 5
@@ -47,7 +48,11 @@ def test_the_corpus_is_large_and_deterministic(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(HANG_GUARD_S, func_only=True)  # the corpus is written once, outside the guard
-@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(case, marks=pytest.mark.slow) if case.valid else case for case in CASES],  # valid: planned
+    ids=[case.name for case in CASES],
+)
 def test_memfit_plan(case: Case, corpus: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     path = corpus[case.name]
     code = main(["plan", str(path), "-o", "json"])

@@ -76,6 +76,7 @@ def test_every_alert_has_unit_cases() -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.alert)
+@pytest.mark.slow
 def test_promtool_test_rules(tmp_path: Path, case: Case) -> None:
     rules_file(tmp_path)
     tests = {"rule_files": ["memfit.rules.yaml"], "evaluation_interval": "1m", "tests": [promtool_test(case, alerts())]}

@@ -354,6 +354,7 @@ def test_a_profile_message_fits_a_termination_message_and_round_trips() -> None:
 
 
 @pytest.mark.parametrize("name", stored_profile_names())
+@pytest.mark.slow
 def test_every_stored_models_profile_fits_a_termination_message(name: str) -> None:
     """The operator receives a profile through the pod's termination message: every model memfit stores (up to
     gpt-oss-120b's four traced setups with both losses) must pass through it."""

@@ -74,6 +74,7 @@ def test_the_checked_in_crd_carries_the_rule() -> None:
         ({"resources": {"pool": "h100-nowhere"}}, {"resources": {"pool": "a100-80gb"}}),  # Unschedulable
     ],
 )
+@pytest.mark.slow
 def test_a_job_that_never_launched_may_be_fixed(spec: dict[str, Any], fix: dict[str, Any]) -> None:
     cluster = FakeCluster(as_stored(job_document(**spec)))
     cluster.step()
@@ -104,6 +105,7 @@ def test_before_launch_optional_fields_may_come_and_go() -> None:
         {"output": {"pvc": "elsewhere"}},
     ],
 )
+@pytest.mark.slow
 def test_after_launch_only_suspend_may_change(change: dict[str, Any]) -> None:
     cluster = FakeCluster(as_stored(job_document()))
     cluster.step()

@@ -65,6 +65,7 @@ def _loss_and_gradients(model: Any, chunked: bool) -> tuple[torch.Tensor, dict[s
 @pytest.mark.parametrize("chunked", [False, True], ids=["model-loss", "chunked-loss"])
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("name", sorted(TINY))
+@pytest.mark.slow
 def test_loss_and_gradients_equal_those_without_offloading(name: str, lora: bool, chunked: bool) -> None:
     """The inputs make a round trip through separate host tensors: the step computes exactly the same."""
     model = _model(name, lora)
@@ -117,6 +118,7 @@ def _inputs_alive_after_forward(model: Any) -> list[bool]:
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.slow
 def test_the_layer_inputs_are_freed_between_forward_and_backward(lora: bool) -> None:
     """Checkpointing alone keeps every layer's input until the backward pass; offloaded, only the host
     copies remain (with LoRA, the first layer's input stays: autograd keeps that leaf anyway)."""

@@ -274,6 +274,7 @@ def test_order_depends_only_on_seed_and_epoch(text_file: Path, tokenizer, tmp_pa
 
 @pytest.mark.parametrize("streaming", [False, True])
 @pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.slow
 def test_resume_sees_exactly_the_uninterrupted_batches(
     text_file: Path, tokenizer, tmp_path: Path, streaming: bool, world_size: int
 ) -> None:

@@ -52,6 +52,7 @@ TINY_MODEL = """    name: tiny
                    numKeyValueHeads: 1, vocabSize: 512}"""
 
 
+@pytest.mark.slow
 def test_bad_input_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = job_file(tmp_path, "    source: {pvc: data, path: missing.jsonl}\n    textField: text", TINY_MODEL)
     assert main(["data", "preview", str(path)]) == 2

@@ -98,6 +98,7 @@ def _resumed(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer], at: in
     "optimizer",  # DeepSpeedCPUAdam reads the CPU's description at each construction: seconds
     [pytest.param(name, marks=[pytest.mark.slow] if name == "DeepSpeedCPUAdam" else []) for name in sorted(OPTIMIZERS)],
 )
+@pytest.mark.slow
 def test_cpu_adam_resumed_at_a_drifted_step_steps_as_the_original(optimizer: str, at: int) -> None:
     make = OPTIMIZERS[optimizer]
     expected, without_replay = _resumed(make, at, replay=False)

@@ -78,6 +78,7 @@ def valid_config(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         ("cuda", True, None),
     ],
 )
+@pytest.mark.slow
 def test_preflight_says_where_flex_cannot_train(
     devices: str, triton: bool, problem: str | None, valid_config: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

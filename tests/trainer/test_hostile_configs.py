@@ -69,6 +69,7 @@ def test_the_corpus_is_large_and_its_cases_distinct() -> None:
     assert len({case.name for case in HOSTILE}) == len(HOSTILE)
 
 
+@pytest.mark.slow
 def test_the_valid_config_loads_and_would_run(
     valid: Document, trainer: list[Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -80,6 +81,7 @@ def test_the_valid_config_loads_and_would_run(
 
 
 @pytest.mark.parametrize("case", HOSTILE, ids=[case.name for case in HOSTILE])
+@pytest.mark.slow
 def test_hostile_config_is_refused_with_one_line(
     case: Hostile, valid: Document, trainer: list[Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -11,6 +11,7 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # each traces a training step of its own
 
 from calibration.memtrace import saved_tensors, trace_training_step  # noqa: E402
 from memfit.model_shape import ModelFamily, ModelShape  # noqa: E402
@@ -70,7 +71,6 @@ def test_eager_attention_activations_grow_superlinearly() -> None:
     assert a1 > saved_activations(seq_len=64)
 
 
-@pytest.mark.slow
 def test_activations_are_linear_in_micro_batch_and_nearly_only_depend_on_tokens() -> None:
     """Only RoPE's cos/sin tables (one per position, not per sequence) break exact b*s symmetry.
 

@@ -33,6 +33,7 @@ def _holder(output: Path, ready: Path, seconds: float) -> subprocess.Popen[bytes
     return process
 
 
+@pytest.mark.slow
 def test_the_lock_is_taken_once_its_holder_is_gone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = make_config(tmp_path)
     holder = _holder(Path(config.output_dir), tmp_path / "ready", seconds=1.0)

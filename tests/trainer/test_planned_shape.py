@@ -64,6 +64,7 @@ def test_preflight_refuses_a_model_directory_of_another_shape_or_without_config(
         check(with_model(config, tmp_path / "absent", TINY_LLAMA), {"WORLD_SIZE": "2"})
 
 
+@pytest.mark.slow
 def test_the_trainer_started_on_another_model_exits_2_with_the_termination_message(tmp_path: Path) -> None:
     directory = saved_config(tmp_path / "tiny", TINY_LLAMA)
     config = with_model(make_config(tmp_path, world_size=1), directory, PLANNED)

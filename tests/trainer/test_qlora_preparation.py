@@ -48,6 +48,7 @@ def test_no_parameter_is_upcast_to_fp32(tmp_path: Path, gradient_checkpointing: 
     assert embedded.dtype == torch.bfloat16 and embedded.requires_grad == gradient_checkpointing
 
 
+@pytest.mark.slow
 def test_the_tiny_qlora_model_learns(tmp_path: Path) -> None:
     """A few AdamW steps on the adapters (one process, no DeepSpeed: the trainer's own runs are in
     test_training.py) lower the loss on a repeated batch, through the 4-bit base and checkpointed layers."""

@@ -29,10 +29,7 @@ term that no such form reproduces keeps its measured points.
 from __future__ import annotations
 
 import copy
-import multiprocessing
-import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any, TypeVar
@@ -46,6 +43,7 @@ from memfit.profile import (
     OutsideTerms,
     TracedSetups,
 )
+from memfit_trainer.trace_workers import default_workers, trace_workers
 
 DEFAULT_TOKENS = (256, 512, 1024, 2048)
 """Token counts traced for every model: three to solve for and one to check."""
@@ -452,10 +450,11 @@ def activation_profile(
     config: dict[str, Any], tokens: Sequence[int] | None = None, workers: int | None = None
 ) -> ActivationProfile:
     """Trace one layer of each type at each token count, full and LoRA, and solve every term exactly. The setups
-    are traced in ``workers`` processes (default: two where this process may run on two CPUs): each trace is
-    single-threaded Python dispatch, so two cores halve the wall time of a full-size profile."""
+    are traced in ``workers`` processes (default: two where this process may run on two CPUs;
+    ``memfit_trainer.trace_workers``): each trace is single-threaded Python dispatch, so two cores halve the wall
+    time of a full-size profile."""
     model = TracedModel.of(config, tokens)
-    with _executor(workers if workers is not None else min(2, len(os.sched_getaffinity(0)))) as pool:
+    with trace_workers(workers if workers is not None else default_workers()) as pool:
         full = pool.submit(model.terms, FULL)
         full_checkpointed = pool.submit(model.terms, Setup(checkpointing=True))
         unmasked = [pool.submit(model.terms, setup) for setup in _each_checkpointed([UNMASKED], None)]
@@ -501,26 +500,6 @@ def _traced_setups(
     if full[0] is None or full[1] is None:
         return None
     return TracedSetups(full=full[0], full_checkpointed=full[1], lora=lora[0], lora_checkpointed=lora[1])
-
-
-class _InProcess(Executor):
-    """An executor that runs each call at once, here (one worker, or no ``fork`` to start others with)."""
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
-        future: Future[Any] = Future()
-        try:
-            future.set_result(fn(*args, **kwargs))
-        except Exception as error:
-            future.set_exception(error)
-        return future
-
-
-def _executor(workers: int) -> Executor:
-    """Forked workers: they inherit the imported ``transformers`` and ``peft`` (nothing here has run a kernel, so
-    no thread pool is forked), where a spawned one would import them again."""
-    if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
-        return _InProcess()
-    return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork"))
 
 
 def activation_terms(

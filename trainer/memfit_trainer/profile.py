@@ -19,12 +19,14 @@ import argparse
 import copy
 import json
 import re
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from memfit.api.vocabulary import ATTN_IMPLEMENTATION, Attention, TerminationReason
+from memfit.contract.lifetime import end_with_launcher
 from memfit.contract.profile_message import ProfileMessageError, encode_profile_message
 from memfit.contract.sections import LoraConfig
 from memfit.contract.termination import fitted_message, write_termination_message
@@ -39,6 +41,7 @@ from memfit.profile import (
 )
 from memfit_trainer.activation_profile import MESSAGE_LENGTH, ProfileError, activation_profile, decoder_layers_prefix
 from memfit_trainer.model import peft_lora_config
+from memfit_trainer.trace_workers import default_workers, start_early
 
 EXIT_BAD_INPUT = 2
 ALL_LINEAR = "all-linear"
@@ -341,6 +344,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         targets = [tuple(names.split(",")) for names in args.lora_targets]
         config = read_hub_config(args.path) if args.hub else read_config(Path(args.path))
+        if args.activations:
+            start_early(default_workers())  # the trace workers' imports beside building the model
         result = profile(config, targets, args.activations)
         message = encode_profile_message(result) if args.termination_log else None
     except (ProfileError, ProfileMessageError) as error:
@@ -356,4 +361,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    end_with_launcher()  # started by memfit (memfit.cli.model_profiles): ends with it, kill -9 included
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends it at once, as SIGTERM does; its workers end with it
     sys.exit(main())
