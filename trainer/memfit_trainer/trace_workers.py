@@ -6,8 +6,8 @@ forked from a threaded process can wait forever on a lock another thread held wh
 seen hanging so, their workers asleep on a futex). The workers are forked instead by multiprocessing's fork
 server: a fresh interpreter started once per process, single-threaded (``OMP_NUM_THREADS=1`` and its kin in
 its environment, so that importing numpy and torch starts no thread pool in it), with the modules a trace
-needs imported before it forks anyone. A worker is so ready at once, where a spawned one imports torch,
-transformers and peft again (seconds each; ``bench/profile_speed.py --workers`` measures both).
+needs imported before it forks anyone. A worker is so ready at once, where a spawned one would import torch,
+transformers and peft again (seconds each).
 
 The fork server asks the kernel for SIGKILL when the profiler that started it ends (``memfit_trainer.trace_server``,
 imported there first), and each worker asks the same when the fork server ends, exiting at once if the server
