@@ -65,18 +65,24 @@ def test_a_planted_symlink_is_not_followed(tmp_path: Path) -> None:
 
 DYING = (
     "import subprocess, sys; from memfit.contract.output_lock import acquire; fd = acquire(sys.argv[1]); "
-    "subprocess.Popen(['sleep', sys.argv[2]], pass_fds=(fd,)); print(flush=True)"
+    "subprocess.Popen(['sh', '-c', 'while [ ! -e \"$0\" ]; do sleep 0.05; done', sys.argv[2]], pass_fds=(fd,), "
+    "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
+    "print(flush=True)"
 )
 
 
-@pytest.mark.slow
 def test_a_probe_waits_for_a_dying_holder_and_refuses_a_live_one(tmp_path: Path) -> None:
     """A run killed a moment ago whose processes are still going (here: its pid gone, a child that inherited the
-    lock ending 3 s later) is waited for; a live holder is refused at once (not after the dying holder's wait)."""
-    output = tmp_path / "output"
-    holder = subprocess.run([sys.executable, "-c", DYING, str(output), "3"], capture_output=True, check=True)
-    assert holder.stdout == b"\n"
-    assert lock_holder(output, wait_seconds=0) is not None  # the child holds it
+    lock ending once told to) is waited for; a live holder is refused at once (not after the dying holder's wait)."""
+    output, release = tmp_path / "output", tmp_path / "release"
+    try:
+        holder = subprocess.run(
+            [sys.executable, "-c", DYING, str(output), str(release)], capture_output=True, check=True
+        )
+        assert holder.stdout == b"\n"
+        assert lock_holder(output, wait_seconds=0) is not None  # the child holds it, however long this took
+    finally:
+        release.touch()
     assert lock_holder(output) is None  # waited for the child to end
     live = hold_in_another_process(output)
     try:
