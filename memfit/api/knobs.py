@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from functools import lru_cache
 from typing import Any
 
 from memfit.api.vocabulary import (
@@ -331,4 +332,11 @@ RULES: tuple[Rule, ...] = (
 
 def conflicts(knobs: Knobs) -> list[str]:
     """Why ``knobs`` cannot run as planned, one message per broken rule (none: they can)."""
-    return [message for rule in RULES if (message := rule.check(knobs)) is not None]
+    return list(_conflicts(knobs))
+
+
+@lru_cache(maxsize=1 << 14)
+def _conflicts(knobs: Knobs) -> tuple[str, ...]:
+    """The search asks this of the same few thousand knob records again and again (every pool, method and
+    variant): the rules are pure, so each record is checked once."""
+    return tuple(message for rule in RULES if (message := rule.check(knobs)) is not None)

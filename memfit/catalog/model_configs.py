@@ -18,8 +18,15 @@ from memfit.profiled_model import ProfiledModel
 CONFIGS_DIR = Path(__file__).parent / "configs"
 
 
+@lru_cache(maxsize=2)
+def _stems(directory: Path) -> tuple[str, ...]:
+    """The names of ``directory``'s JSON files, sorted: package data, fixed while a process runs (validating a
+    spec asks for them, and the planner validates thousands)."""
+    return tuple(sorted(path.stem for path in directory.glob("*.json")))
+
+
 def stored_config_names() -> list[str]:
-    return sorted(path.stem for path in CONFIGS_DIR.glob("*.json"))
+    return list(_stems(CONFIGS_DIR))
 
 
 def stored_config_path(name: str) -> Path | None:
@@ -33,7 +40,7 @@ PROFILES_DIR = Path(__file__).parent / "profiles"
 
 def stored_profile_names() -> list[str]:
     """Stored configs whose profile is stored too."""
-    return sorted(path.stem for path in PROFILES_DIR.glob("*.json"))
+    return list(_stems(PROFILES_DIR))
 
 
 @lru_cache(maxsize=64)

@@ -37,7 +37,7 @@ import itertools
 import time
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any
 
 from memfit.api.finetunejob import FineTuneJobSpec
@@ -57,7 +57,7 @@ from memfit.api.vocabulary import (
     PlannedPrecision,
     Precision,
 )
-from memfit.memory.activations import ActivationEstimate, ActivationSetup
+from memfit.memory.activations import ActivationEstimate
 from memfit.memory.estimate import StaticMemory, activation_setup, static_memory, step_total
 from memfit.memory.profiled_activations import model_activations
 from memfit.memory.setup import LoraSettings, StaticSetup
@@ -133,12 +133,9 @@ class _Search:
     """The kernel packages the trainer has (only their kernels are planned)."""
     fits: list[Fit] = field(default_factory=list)
     nearest_misses: dict[tuple[str, int, int, str], Evaluated] = field(default_factory=dict)
-    static: dict[StaticSetup, StaticMemory] = field(default_factory=dict)
-    activations: dict[ActivationSetup, ActivationEstimate] = field(default_factory=dict)
     options: dict[
         tuple[PlannedMethod, PlannedPrecision, bool, bool, Engine], tuple[tuple[int, Offload, Offload], ...]
     ] = field(default_factory=dict)
-    variants: dict[tuple[int, bool, Engine, PlannedPrecision, int], list[Variant]] = field(default_factory=dict)
     fastest: dict[str, list[float]] = field(default_factory=dict)
     """Per method, a min-heap of the MAX_CANDIDATES best speeds of plans without techniques found so far:
     knobs whose best case is slower than all of them cannot be reported, and are not evaluated."""
@@ -175,23 +172,20 @@ class _Search:
 
     def technique_variants(
         self, zero_stage: int, checkpointing: bool, engine: Engine, precision: PlannedPrecision, sequence_parallel: int
-    ) -> list[Variant]:
-        """_technique_variants of these knobs, once per distinct input (its arguments are the key)."""
-        inputs = (zero_stage, checkpointing, engine, precision, sequence_parallel)
-        variants = self.variants.get(inputs)
-        if variants is None:
-            knobs = Knobs(
-                zero_stage=zero_stage,
-                gradient_checkpointing=checkpointing,
-                engine=engine,
-                precision=precision,
-                master_weights=self.master_weights,
-                sequence_parallel=sequence_parallel,
-                clips_gradients=self.spec.training.max_grad_norm > 0,
-                **self.facts,
-            )
-            variants = self.variants[inputs] = _technique_variants(self.spec, knobs, self.shape)
-        return variants
+    ) -> tuple[Variant, ...]:
+        """_technique_variants of these knobs (cached across searches: its arguments are the key)."""
+        knobs = Knobs(
+            zero_stage=zero_stage,
+            gradient_checkpointing=checkpointing,
+            engine=engine,
+            precision=precision,
+            master_weights=self.master_weights,
+            sequence_parallel=sequence_parallel,
+            clips_gradients=self.spec.training.max_grad_norm > 0,
+            **self.facts,
+        )
+        pinned = tuple(getattr(self.spec.strategy, technique.knob) for technique in TECHNIQUES)
+        return _technique_variants(pinned, self.shape.untraced_techniques, knobs)
 
     def outpaced(self, plain: Strategy, largest_micro: int, per_gpu_batch: int, capacity: PoolCapacity) -> bool:
         """Whether MAX_CANDIDATES plans of the method are faster than these knobs could be (their largest
@@ -226,18 +220,17 @@ class _Search:
         return self.split_kernels[inputs]
 
     def static_memory(self, template: Strategy) -> StaticMemory:
-        setup = StaticSetup.of(template)
-        static = self.static.get(setup)
-        if static is None:
-            static = self.static[setup] = static_memory(self.shape, setup, self.lora)
-        return static
+        return _static_memory(self.shape, StaticSetup.of(template), self.lora)
 
     def activation_estimate(self, template: Strategy, micro_batch_size: int) -> ActivationEstimate:
         setup = activation_setup(self.shape, template, self.sequence_length, self.lora, micro_batch_size)
-        estimate = self.activations.get(setup)
-        if estimate is None:
-            estimate = self.activations[setup] = model_activations(self.shape, setup)
-        return estimate
+        return _model_activations(self.shape, setup)
+
+
+# The memory model is pure and its inputs are immutable: a search asks it the same questions for each pool and
+# pass, and the operator and the bench ask again for the same jobs, so each answer is worked out once.
+_static_memory = lru_cache(maxsize=1 << 12)(static_memory)
+_model_activations = lru_cache(maxsize=1 << 14)(model_activations)
 
 
 def plan_job(
@@ -652,24 +645,26 @@ def _split_attention(
     return None
 
 
-def _technique_variants(spec: FineTuneJobSpec, knobs: Knobs, model: PlannedModel) -> list[Variant]:
-    """Combinations of the memory-saving techniques (each the pinned value, or off then on) that the rule
-    table allows with ``knobs``, cheapest first: the costliest technique varies slowest (activation
-    offloading's PCIe copies, then the chunked loss's recomputed LM head, then the optimizer step in backward,
-    which costs no time: the same work moved into the backward; accumulation 1:
-    :func:`_largest_fitting_micro_batch`). Techniques the model's description cannot estimate stay off."""
+@lru_cache(maxsize=1 << 12)
+def _technique_variants(pinned: tuple[bool | None, ...], untraced: frozenset[str], knobs: Knobs) -> tuple[Variant, ...]:
+    """Combinations of the memory-saving techniques (each the ``pinned`` value, in TECHNIQUES' order, or off then
+    on) that the rule table allows with ``knobs``, cheapest first: the costliest technique varies slowest
+    (activation offloading's PCIe copies, then the chunked loss's recomputed LM head, then the optimizer step in
+    backward, which costs no time: the same work moved into the backward; accumulation 1:
+    :func:`_largest_fitting_micro_batch`). Techniques the model's description cannot estimate (``untraced``) stay
+    off."""
+    pinned_of = dict(zip((technique.knob for technique in TECHNIQUES), pinned, strict=True))
     by_cost = sorted(TECHNIQUES, key=lambda technique: technique.cost, reverse=True)
     choices = []
     for technique in by_cost:
-        pinned: bool | None = getattr(spec.strategy, technique.knob)
-        untraced = technique.knob in model.untraced_techniques
-        choices.append([pinned] if pinned is not None else [False] if untraced else [False, True])
+        value = pinned_of[technique.knob]
+        choices.append([value] if value is not None else [False] if technique.knob in untraced else [False, True])
     variants = []
     for combination in itertools.product(*choices):
         on: dict[str, Any] = dict(zip((technique.knob for technique in by_cost), combination, strict=True))
         if not knob_conflicts(replace(knobs, **on)):
             variants.append(tuple(on[technique.knob] for technique in TECHNIQUES))
-    return variants
+    return tuple(variants)
 
 
 def _fit_knobs(
@@ -677,7 +672,7 @@ def _fit_knobs(
     capacity: PoolCapacity,
     limit: int,
     plain: Strategy,
-    variants: list[Variant],
+    variants: tuple[Variant, ...],
     micro_batches: list[int],
     per_gpu_batch: int,
     to_beat: int,
@@ -722,7 +717,7 @@ def _fit_knobs(
     return replace(without, any=best)
 
 
-def _least_holding(variants: list[Variant]) -> list[Variant]:
+def _least_holding(variants: tuple[Variant, ...]) -> list[Variant]:
     """The variants that hold the least GPU memory on some job: the last (every technique the rules allow
     together), and it without any of those that may hold more than they save (:attr:`Technique.may_hold_more`)."""
     choices = [
