@@ -33,7 +33,8 @@ from tests.trainer.runs import (
     make_config,
     reference_run,
     resume,
-    run_trainer,
+    resumed_from,
+    run_single_process,
     write_config,
 )
 from tests.trainer.test_training import RESUME_EVERY, assert_learned, train_ok
@@ -212,11 +213,12 @@ def test_8bit_adamw_in_backward_computes_what_its_step_after_backward_does(
 def test_8bit_states_quantized_at_two_ranks_refuse_one_with_the_reason(
     tmp_path: Path, eight_bit_run: Reference
 ) -> None:
-    """Their blocks are of each rank's shard: at another world size the run stops before training, with why."""
+    """Their blocks are of each rank's shard: at another world size the run stops before training, with why.
+    The one rank is a process of its own, without torchrun (a world of one: the same trainer, no launcher)."""
     output, _, _, _ = eight_bit_run
     one = make_config(tmp_path, **{**EIGHT_BIT, "max_steps": STEPS + 4}, world_size=1, micro_batch=4)
     shutil.copytree(output / "checkpoints", Path(one.output_dir) / "checkpoints")
-    result = run_trainer(write_config(one, tmp_path / "one.json"), nproc=1)
+    result = run_single_process(write_config(one, tmp_path / "one.json"))
     assert result.returncode != 0
     said = "8-bit optimizer states were quantized in blocks of 2 rank(s)' shards and do not reshard to 1"
     assert said in result.stdout + result.stderr, result.stderr[-3000:]
@@ -242,7 +244,8 @@ def test_checkpoint_of_two_ranks_resumes_on_one_at_the_same_step_and_data(
     """Killed after step 4 at 2 ranks x micro-batch 2 (16 blocks consumed: data position 4), resumed at 1 rank
     with the same global batch: 2 accumulated micro-batches (position 8 of 2-block micro-batches) or, with the
     optimizer in backward (accumulation 1), one micro-batch of 4 (position 4); the same blocks from there on,
-    so it ends with the reference's data position and (up to reduction order) its loss."""
+    so it ends with the reference's data position and (up to reduction order) its loss. The one rank runs as a
+    process of its own, without torchrun (a world of one: the same trainer, no launcher to import torch)."""
     fixture, options = RESHARDABLE[run]
     reference: Reference = request.getfixturevalue(fixture)
     reference_output, reference_losses, _, _ = reference
@@ -250,7 +253,9 @@ def test_checkpoint_of_two_ranks_resumes_on_one_at_the_same_step_and_data(
     two = reference.killed_copy(tmp_path, **options)
     one = make_config(tmp_path, **options, world_size=1, accumulation=micro_batches, micro_batch=4 // micro_batches)
     assert one.checkpoint_dir == two.checkpoint_dir  # fsdp2's layout names no world size
-    resumed = resume(write_config(one, tmp_path / "one.json"), RESUME_EVERY, nproc=1)
+    resumed = run_single_process(write_config(one, tmp_path / "one.json"))
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert resumed_from(resumed.stdout) == RESUME_EVERY, resumed.stdout
     said = re.search(r"resumed from checkpoint step 4 \(data position (.*)\)$", resumed.stdout, re.MULTILINE)
     assert said is not None, resumed.stdout
     carried = " written at 2 rank(s) x micro-batch 2, here {'epoch': 0, 'microBatch': 8} (0 block(s) skipped)"

@@ -18,7 +18,14 @@ import torch
 
 from memfit.contract.trainer_config import TrainerConfig
 from memfit_trainer.checkpoint import DEEPSPEED_TAG as TAG
-from tests.trainer.runs import config_over_a_copy, logged_losses, make_config, run_trainer, write_config
+from tests.trainer.runs import (
+    config_over_a_copy,
+    logged_losses,
+    make_config,
+    run_single_process,
+    run_trainer,
+    write_config,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -90,7 +97,7 @@ def test_zero2_at_2_ranks_converts_to_zero3_at_1_rank(tmp_path: Path, failed_run
     before = _tree_digest(source.checkpoint_dir)
 
     target = make_config(tmp_path, **{**FAILED, "stage": 3}, world_size=1)
-    resumed = run_trainer(write_config(target, tmp_path / "target.json"), nproc=1)
+    resumed = run_single_process(write_config(target, tmp_path / "target.json"))  # 1 rank: no torchrun needed
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from checkpoint step 4 (converted from full-bf16-zero2-2ranks/step-000004" in resumed.stdout
     _loss_continues(source_stdout, resumed.stdout)
