@@ -5,6 +5,8 @@ which in a trace copy the layers' inputs off the traced device (``calibration.me
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any
 
 import pytest
 
@@ -34,6 +36,21 @@ SETTINGS = [
     dict(micro_batch=2, seq_len=2048, trainable="lora", lora_rank=8),
 ]
 ALL_LINEAR = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+
+
+@functools.cache
+def _checkpointed_trace(name: str, setting: int, offloading: bool, chunked_loss: bool = False) -> dict[str, Any]:
+    """The traced step of ``SHAPES[name]`` with ``SETTINGS[setting]``, checkpointed: each traced once in this
+    module (Llama's offloaded step with the model's loss is read by two tests). Read only."""
+    from calibration.memtrace import trace_training_step
+
+    return trace_training_step(
+        SHAPES[name],
+        gradient_checkpointing=True,
+        activation_offloading=offloading,
+        chunked_loss=chunked_loss,
+        **SETTINGS[setting],
+    )
 
 
 def _setup(method: Method, layers_offloaded: bool = True, checkpointing: bool = True) -> ActivationSetup:
@@ -94,12 +111,9 @@ def test_the_trace_refuses_offloading_without_checkpointing() -> None:
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_activation_offloading_estimate_matches_the_trace(name: str, settings: dict, chunked_loss: bool) -> None:
     pytest.importorskip("transformers")
-    from calibration.memtrace import trace_training_step
 
     shape = SHAPES[name]
-    record = trace_training_step(
-        shape, gradient_checkpointing=True, activation_offloading=True, chunked_loss=chunked_loss, **settings
-    )
+    record = _checkpointed_trace(name, SETTINGS.index(settings), True, chunked_loss)
     error = relative_error(record)
     assert -WORST <= error <= WORST, f"{name} {settings} chunked={chunked_loss}: {error:+.1%}"
     # The host holds every offloaded input at once (the trace has no pinned allocator to round them).
@@ -113,13 +127,9 @@ def test_activation_offloading_estimate_matches_the_trace(name: str, settings: d
 def test_offloading_takes_the_layer_inputs_off_the_traced_device(settings: dict) -> None:
     """With the plain loss the peak is the loss's: offloading lowers it by exactly the inputs it moves."""
     pytest.importorskip("transformers")
-    from calibration.memtrace import trace_training_step
 
     shape = SHAPES["llama"]
-    kept, moved = (
-        trace_training_step(shape, gradient_checkpointing=True, activation_offloading=offload, **settings)
-        for offload in (False, True)
-    )
+    kept, moved = (_checkpointed_trace("llama", SETTINGS.index(settings), offload) for offload in (False, True))
     between = settings["micro_batch"] * settings["seq_len"] * shape.hidden_size * 2
     method = Method(settings["trainable"])
     assert kept["host_peak_bytes"] == 0

@@ -5,6 +5,9 @@ attention, experts and sinks) at widths a fake-tensor trace runs in seconds. The
 fine-tuning and LoRA, on a packed row) are solved from three token counts; the profiler itself checks every
 further count to the byte, and here a held-out count and a model of several mixed layers, traced whole, check
 that the terms compose. The packed row's attention mask is checked against a row with none.
+
+Llama is profiled whole by ``activation_profile`` (every setup, here and again in its worker processes); each
+other family only in the setups its tests read, each solved as the profile solves it (``TracedModel.terms``).
 """
 
 from __future__ import annotations
@@ -16,19 +19,22 @@ import pytest
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(1800)
-"""The module's fixture traces every family in all twelve setups (about 90 s for the small Llama alone on two
-shared cores), before its first test: more than the suite's 900 s per test on a loaded machine."""
+"""A family's setups are traced by the first test that reads it (about 90 s for the small Llama's twelve on two
+shared cores): with the test's own traces, more than the suite's 900 s per test on a loaded machine."""
 
 from memfit.api.vocabulary import Attention, Method, Precision  # noqa: E402
 from memfit.cli.profile_command import _activation_facts  # noqa: E402
 from memfit.memory.activations import ActivationSetup, saved_per_layer  # noqa: E402
 from memfit.memory.profiled_activations import AttentionHeads, composed  # noqa: E402
 from memfit.model_shape import ModelFamily, ModelShape  # noqa: E402
-from memfit.profile import ActivationProfile, ActivationTerm, ActivationTerms  # noqa: E402
+from memfit.profile import ActivationProfile, ActivationTerm, ActivationTerms, TracedSetups  # noqa: E402
 from memfit_trainer.activation_profile import (  # noqa: E402
     DEFAULT_LORA,
+    DTYPE,
     FULL,
+    UNMASKED,
     Setup,
+    TracedModel,
     activation_profile,
     attention_kernel,
     distinct_layer_types,
@@ -42,6 +48,11 @@ WIDTHS = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4
 WIDTHS = {**WIDTHS, "head_dim": 64, "vocab_size": 1024}
 HEADS = AttentionHeads(WIDTHS["num_attention_heads"], WIDTHS["num_key_value_heads"], WIDTHS["head_dim"])
 TOKENS = (64, 128, 192, 256, 384)
+"""Qwen 3.5's counts: a chunked linear attention's first chunk may solve apart from the rest (``valid_from``)."""
+PLAIN_TOKENS = TOKENS[:4]
+"""Llama's and Qwen 3's: three counts to solve for and one the profiler checks to the byte (all they need: every
+term of theirs solves from the three smallest counts, as a fifth showed; :data:`HELD_OUT` checks them here)."""
+PLAIN = ("llama", "qwen3")
 HELD_OUT = 320
 WINDOW = 64
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -83,7 +94,9 @@ MASK_BYTES_PER_ELEMENT = 1
 
 
 def _tokens(name: str) -> tuple[int, ...]:
-    return WINDOWED_TOKENS if "sliding_window" in CONFIGS[name] else TOKENS
+    if "sliding_window" in CONFIGS[name]:
+        return WINDOWED_TOKENS
+    return PLAIN_TOKENS if name in PLAIN else TOKENS
 
 
 def _setup(profile: ActivationProfile, name: str) -> Setup:
@@ -93,9 +106,57 @@ def _setup(profile: ActivationProfile, name: str) -> Setup:
     return Setup(lora=DEFAULT_LORA.model_copy(update={"rank": profile.lora_rank, "dropout": profile.lora_dropout}))
 
 
+WHOLE = "llama"
+"""The family profiled whole, by ``activation_profile`` itself: its tiled MLP and unmasked rows are read here."""
+UNMASKED_READ = ("qwen3",)
+"""The other families whose unmasked rows are read here (``test_an_unmasked_row_keeps_no_quadratic_term...``)."""
+
+
+def _partial_profile(name: str) -> ActivationProfile:
+    """The profile ``activation_profile`` makes of ``name`` (in one process), with the setups no test here reads
+    left untraced: the tiled MLP's, and but for :data:`UNMASKED_READ` the unmasked rows'. Each traced setup is
+    solved by ``TracedModel.terms``, as in the profile; a failure raises here (the profile would record LoRA's).
+    tests/test_stored_profiles.py traces the unmasked row of every stored model type, at its real widths."""
+    model = TracedModel.of(CONFIGS[name], _tokens(name))
+    lora = lora_of(model.text, model.kinds, model.attention)
+
+    def four(row: Setup) -> list[ActivationTerms]:
+        setups = [
+            dataclasses.replace(row, lora=adapters, checkpointing=on)
+            for adapters in (None, lora)
+            for on in (False, True)
+        ]
+        return [model.terms(setup) for setup in setups]
+
+    full, full_checkpointed, adapted, adapted_checkpointed = four(FULL)
+    setups = ("full", "full_checkpointed", "lora", "lora_checkpointed")
+    unmasked = TracedSetups(**dict(zip(setups, four(UNMASKED), strict=True))) if name in UNMASKED_READ else None
+    return ActivationProfile(
+        dtype=DTYPE,
+        micro_batch=1,
+        attention=model.attention,
+        full=full,
+        full_checkpointed=full_checkpointed,
+        lora=adapted,
+        lora_checkpointed=adapted_checkpointed,
+        unmasked=unmasked,
+        lora_rank=lora.rank,
+        lora_dropout=lora.dropout,
+    )
+
+
+class _Profiles(dict[str, ActivationProfile]):
+    """Each family's profile, traced in this process when a test first reads it."""
+
+    def __missing__(self, name: str) -> ActivationProfile:
+        made = activation_profile(CONFIGS[name], _tokens(name), workers=1) if name == WHOLE else _partial_profile(name)
+        self[name] = made
+        return made
+
+
 @pytest.fixture(scope="module")
 def profiles() -> dict[str, ActivationProfile]:
-    return {name: activation_profile(config, _tokens(name)) for name, config in CONFIGS.items()}
+    return _Profiles()
 
 
 def test_solve_is_exact_and_says_when_a_window_bounds_the_quadratic_term() -> None:
@@ -325,7 +386,7 @@ def test_the_chunked_loss_terms_compose_within_5_percent_of_a_whole_model_trace(
 @pytest.mark.slow
 def test_setups_traced_in_worker_processes_are_the_ones_traced_here(profiles: dict[str, ActivationProfile]) -> None:
     """The profile traces its setups in two forked workers where it may run on two CPUs: the same terms."""
-    assert activation_profile(CONFIGS["llama"], _tokens("llama"), workers=1) == profiles["llama"]
+    assert activation_profile(CONFIGS[WHOLE], _tokens(WHOLE), workers=2) == profiles[WHOLE]
 
 
 @pytest.mark.slow

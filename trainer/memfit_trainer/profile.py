@@ -173,12 +173,16 @@ def lora_resolution(model: Any, target_modules: str | tuple[str, ...], prefix: s
     embeddings, and peft 0.21 targeting transformers 5's fused expert parameters through ``ParamWrapper``
     (its v4-to-v5 MoE conversion), which no name match over ``nn.Linear`` modules would find.
     """
+    import torch
     from peft import get_peft_model
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     targets = [target_modules] if isinstance(target_modules, str) else list(target_modules)
     config = peft_lora_config(LoraConfig(target_modules=targets, dropout=0.0), model)  # in place: no dropout
-    wrapped: Any = get_peft_model(copy.deepcopy(model), config)
+    # The adapters made on the meta device too: peft would otherwise allocate and initialise each on the CPU
+    # (seconds for a 70B model) before moving it to its base layer's meta device; only their shapes are read.
+    with torch.device("meta"):
+        wrapped: Any = get_peft_model(copy.deepcopy(model), config)
     groups: dict[tuple[str, str | None, int, int, int], list[int]] = {}
     for name, module in wrapped.base_model.model.named_modules():
         if isinstance(module, BaseTunerLayer):
