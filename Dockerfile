@@ -5,7 +5,9 @@
 # The build arguments' defaults build those production images. OPERATOR_BASE and TRAINER_BASE replace the
 # registry bases (any Debian or Ubuntu with Python; `make images` uses one made from Debian's packages), and
 # TRAINER_VARIANT=cpu builds a trainer for machines without GPUs (with TORCH_VERSION=2.13.0+cpu, torch's CPU
-# build): DeepSpeed's CPU accelerator and its ops prebuilt.
+# build): DeepSpeed's CPU accelerator and its ops prebuilt. The CUDA trainer builds on a base without CUDA too
+# (`make image-cuda`: the local Debian, torch's CUDA build from PyPI, CUDA_TOOLKIT: nvcc from PyPI's NVIDIA
+# wheels; docs/cuda-trainer-image.md).
 # Both run as the unprivileged uid 10001 (the chart's Deployment and the operator's trainer pods run as it).
 # The install steps are the Makefile's `setup` steps (what CI runs): a virtual environment, pip, setuptools
 # and wheel upgraded, torch first at the Makefile's version, then memfit's dependencies without build
@@ -61,6 +63,21 @@ CMD ["operator"]
 # --- trainer ----------------------------------------------------------------------------------------
 # One stage per TRAINER_VARIANT (DeepSpeed's accelerator names), then the steps they share.
 FROM ${TRAINER_BASE} AS trainer-cuda
+ARG PYTHON_VERSION
+# What DeepSpeed's CUDA ops compile with (nvcc, the CUDA headers) and link against (libcudart, a libcuda stub):
+# by default the devel base's toolkit, where nvidia/cuda's images have it. On a base without CUDA, CUDA_TOOLKIT
+# names PyPI's NVIDIA wheels of the CUDA torch's wheel is built for (its own cuda-toolkit pin, extras nvcc and
+# cccl): they go into the virtual environment's nvidia/cuXX folder, beside the runtime wheels torch pulls there,
+# and CUDA_HOME names that folder; what a toolkit has and the wheels lack is added: lib64, the unversioned
+# libcudart.so the linker looks for, and libcuda.so in lib64/stubs, an empty linker script (the async I/O op
+# links -lcuda but calls no driver function; a pod gets the driver from its node).
+ARG CUDA_TOOLKIT=""
+ARG CUDA_HOME=/usr/local/cuda
+ENV CUDA_HOME=${CUDA_HOME} LIBRARY_PATH=${CUDA_HOME}/lib64/stubs
+RUN [ -z "${CUDA_TOOLKIT}" ] || { python${PYTHON_VERSION} -m venv /opt/memfit \
+ && /opt/memfit/bin/python -m pip install --no-cache-dir "${CUDA_TOOLKIT}" \
+ && cd "${CUDA_HOME}" && ln -s lib lib64 && ln -s "$(cd lib && echo libcudart.so.*)" lib/libcudart.so \
+ && mkdir lib/stubs && echo '/* libcuda.so: no driver here (a build links against this stub) */' > lib/stubs/libcuda.so; }
 FROM ${TRAINER_BASE} AS trainer-cpu
 # Without a GPU DeepSpeed falls back to the CPU with a warning; named, the build compiles the CPU ops.
 ENV DS_ACCELERATOR=cpu
@@ -86,12 +103,14 @@ COPY --from=requirements /requirements/trainer.txt requirements.txt
 # compiled at build time (CPU Adam for offload, fused Adam, async I/O for NVMe; on the CPU accelerator also
 # its shared-memory collectives, an op CUDA's builders do not have), so a pod never spends minutes compiling
 # before its first step. No GPU is needed to build them: the architectures are named (A100, A10/A40/3090,
-# L4/L40/4090, H100/H200). g++ above: the CUDA devel image has it, a plain base not.
+# L4/L40/4090, H100/H200). g++ above: the CUDA devel image has it, a plain base not. DS_ACCELERATOR names the
+# variant for the build: a builder has no GPU, and DeepSpeed would detect its CPU accelerator and build CPU
+# ops, which a pod on GPUs ignores (it compiles them again, minutes, before its first step); a pod detects.
 RUN DS_BUILD_CPU_ADAM=1 DS_BUILD_FUSED_ADAM=1 DS_BUILD_AIO=1 DS_BUILD_SHM_COMM=1 TORCH_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0" \
-    python -m pip install --no-build-isolation -r requirements.txt \
- && DS_ACCELERATOR=${TRAINER_VARIANT} python -c "from deepspeed.git_version_info import installed_ops as ops; \
+    DS_ACCELERATOR=${TRAINER_VARIANT} python -m pip install --no-build-isolation -r requirements.txt \
+ && DS_ACCELERATOR=${TRAINER_VARIANT} python -c "from deepspeed.git_version_info import installed_ops as ops, accelerator_name; \
       built = ('cpu_adam', 'fused_adam', 'async_io') + (('deepspeed_shm_comm',) if '${TRAINER_VARIANT}' == 'cpu' else ()); \
-      assert all(ops[op] for op in built), ops" \
+      assert accelerator_name == '${TRAINER_VARIANT}' and all(ops[op] for op in built), (accelerator_name, ops)" \
  && useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin memfit
 # Kernel packages beyond torch (memfit.api.runtime), none by default: flash-attn compiles for hours with the
 # devel base's nvcc. Built with e.g. KERNEL_PACKAGES="flash-attn>=2.7,<3", the chart's trainer.kernelPackages

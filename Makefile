@@ -119,6 +119,33 @@ images: image-tools
 		--build-arg TORCH_INDEX=$(TORCH_CPU_INDEX) -t $(TRAINER_IMAGE) .
 	rm -f $(BUILD_PIP_CONF)
 
+# The production trainer image (TRAINER_VARIANT=cuda) from bases this machine can pull: the Debian base above,
+# torch's CUDA build of the TORCH pin from PyPI (PyPI's Linux wheel is it; it pulls NVIDIA's runtime wheels),
+# and nvcc for DeepSpeed's CUDA ops from PyPI's NVIDIA wheels: CUDA_TOOLKIT is the cuda-toolkit pin of that
+# torch wheel's metadata with the nvcc and cccl extras, installed into the folder torch's wheels use
+# (CUDA_TOOLKIT_HOME, cu13: torch 2.13's CUDA 13.0). No wheel folder and no find-links: its CPU build of the
+# same version would satisfy torch==X. images/check-cuda-trainer.sh then starts the image without a GPU and
+# checks it. docs/cuda-trainer-image.md.
+.PHONY: image-cuda
+image-cuda: export CONTAINERS_CONF ?= $(CURDIR)/images/containers.conf
+CUDA_TRAINER_IMAGE ?= localhost/memfit-trainer:$(IMAGE_TAG)-cuda
+TORCH_CUDA_INDEX ?= https://pypi.org/simple
+CUDA_TOOLKIT ?= cuda-toolkit[nvcc,cccl]==13.0.3
+CUDA_TOOLKIT_HOME ?= /opt/memfit/lib/python3.11/site-packages/nvidia/cu13
+CUDA_BUILD_PIP_CONF := $(CURDIR)/build/image-cuda-pip.conf
+
+image-cuda: image-tools
+	images/base.sh $(BASE_IMAGE) $(DEBIAN_MIRROR)
+	mkdir -p build && printf '[global]\ncert = /run/build/ca.crt\n' > $(CUDA_BUILD_PIP_CONF)
+	$(PODMAN) build --network host --build-arg OPERATOR_BASE=$(BASE_IMAGE) --build-arg TRAINER_BASE=$(BASE_IMAGE) \
+		-v $(CA_BUNDLE):/run/build/ca.crt:ro -v $(CUDA_BUILD_PIP_CONF):/etc/pip.conf:ro \
+		--target trainer --build-arg TRAINER_VARIANT=cuda --build-arg TORCH_VERSION=$(patsubst torch==%,%,$(TORCH)) \
+		--build-arg TORCH_INDEX=$(TORCH_CUDA_INDEX) --build-arg CUDA_TOOLKIT='$(CUDA_TOOLKIT)' \
+		--build-arg CUDA_HOME=$(CUDA_TOOLKIT_HOME) -t $(CUDA_TRAINER_IMAGE) . \
+		|| { rm -f $(CUDA_BUILD_PIP_CONF); exit 1; }
+	rm -f $(CUDA_BUILD_PIP_CONF)
+	images/check-cuda-trainer.sh $(CUDA_TRAINER_IMAGE)
+
 images-load:
 	@ctr --address $(CONTAINERD_SOCK) version >/dev/null 2>&1 || \
 		{ echo "images-load: no containerd at $(CONTAINERD_SOCK): start the node first (hack/node up)"; exit 1; }
@@ -136,4 +163,4 @@ e2e: setup
 	$(NODE) down >/dev/null 2>&1 || true   # a node left up by an earlier run: `up` starts a fresh one
 	$(NODE) up
 	$(MAKE) images-load || { $(NODE) down; exit 1; }
-	OMP_NUM_THREADS=1 $(PY) -m pytest e2e -p no:cacheprovider; status=$$?; $(NODE) down; exit $$status
+	OMP_NUM_THREADS=1 $(PY) -m pytest e2e -p no:cacheprovider --durations=0; status=$$?; $(NODE) down; exit $$status

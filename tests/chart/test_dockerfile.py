@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 from dockerfile_parse import DockerfileParser
+from packaging.requirements import Requirement
 
 from memfit.api.runtime import IMAGE_RUNTIME
 from tests.chart.render import ROOT
@@ -165,6 +166,66 @@ def test_make_images_builds_the_operator_and_the_cpu_trainer_on_the_local_base()
         assert f"--build-arg {base}=$(BASE_IMAGE)" in makefile
 
 
+def make_recipe(target: str) -> str:
+    """The recipe of a Makefile target (up to its first empty line): after its rule line, not after a line that
+    sets a variable for it."""
+    makefile = (ROOT / "Makefile").read_text()
+    return re.split(rf"\n{re.escape(target)}:[^=\n]*\n(?=\t)", makefile, maxsplit=1)[1].split("\n\n", 1)[0]
+
+
+def test_make_image_cuda_builds_the_cuda_trainer_from_pypi_with_the_torch_pin() -> None:
+    """`make image-cuda`: the production variant (TRAINER_VARIANT=cuda) of the Makefile's TORCH pin as it is (torch's
+    CUDA build, from PyPI), on the local base, nvcc from PyPI's NVIDIA wheels in the folder of the ones torch pulls.
+    Without the wheel folder and its find-links (torch's CPU build of the same version would satisfy torch==X),
+    and checked by images/check-cuda-trainer.sh once built, so a broken image fails the target."""
+    recipe = make_recipe("image-cuda")
+    assert "images/base.sh $(BASE_IMAGE)" in recipe and "--target trainer" in recipe
+    assert "--build-arg TRAINER_VARIANT=cuda" in recipe
+    assert "--build-arg TORCH_VERSION=$(patsubst torch==%,%,$(TORCH)) " in recipe  # no +cpu, no other pin
+    assert "--build-arg TORCH_INDEX=$(TORCH_CUDA_INDEX)" in recipe
+    assert makefile_variable("TORCH_CUDA_INDEX") == "https://pypi.org/simple"
+    assert "--build-arg TRAINER_BASE=$(BASE_IMAGE)" in recipe and "--build-arg OPERATOR_BASE=$(BASE_IMAGE)" in recipe
+    assert "$(PODMAN_BUILD)" not in recipe and "$(WHEELS)" not in recipe and "find-links" not in recipe
+    assert "--build-arg CUDA_TOOLKIT='$(CUDA_TOOLKIT)'" in recipe
+    assert "--build-arg CUDA_HOME=$(CUDA_TOOLKIT_HOME)" in recipe
+    assert recipe.splitlines()[-1].strip() == "images/check-cuda-trainer.sh $(CUDA_TRAINER_IMAGE)"
+    script = ROOT / "images" / "check-cuda-trainer.sh"
+    assert script.stat().st_mode & 0o111
+    # The toolkit's wheels go where torch's runtime wheels go: the image's virtual environment, its Python, the
+    # nvidia/cuXX folder of the toolkit's CUDA major.
+    toolkit = Requirement(makefile_variable("CUDA_TOOLKIT"))
+    assert toolkit.name == "cuda-toolkit" and {"nvcc", "cccl"} <= toolkit.extras
+    (pin,) = toolkit.specifier
+    assert pin.operator == "=="
+    python = stages()[GLOBAL].args["PYTHON_VERSION"]
+    assert makefile_variable("CUDA_TOOLKIT_HOME") == (
+        f"/opt/memfit/lib/python{python}/site-packages/nvidia/cu{pin.version.split('.')[0]}"
+    )
+
+
+def test_the_torch_pin_is_one_the_trainer_extra_admits() -> None:
+    """Both trainer variants install the Makefile's torch first, then pyproject.toml's trainer extra: an extra that
+    did not admit that version would make the dependency step replace it (with PyPI's newest torch, a CUDA build
+    even in the CPU image) instead of failing."""
+    version = makefile_variable("TORCH").removeprefix("torch==")
+    (torch,) = [Requirement(dep) for dep in pyproject()["project"]["optional-dependencies"]["trainer"]
+                if Requirement(dep).name == "torch"]  # fmt: skip
+    assert torch.specifier.contains(version) and torch.specifier.contains(version + "+cpu")
+
+
+def test_the_cuda_stage_installs_no_toolkit_on_the_production_base(dockerfile: dict[str, Stage]) -> None:
+    """By default (the nvidia/cuda devel base) nvcc is the base's: CUDA_TOOLKIT is empty, its step does nothing, and
+    CUDA_HOME and the linker's stubs are where that image has them."""
+    stage = dockerfile["trainer-cuda"]
+    assert stage.args["CUDA_TOOLKIT"] == '""' and stage.args["CUDA_HOME"] == "/usr/local/cuda"
+    env = stage.env.split()
+    assert "CUDA_HOME=${CUDA_HOME}" in env and "LIBRARY_PATH=${CUDA_HOME}/lib64/stubs" in env
+    (run,) = stage.runs
+    assert run.startswith('[ -z "${CUDA_TOOLKIT}" ] ||') and 'pip install --no-cache-dir "${CUDA_TOOLKIT}"' in run
+    assert "/opt/memfit" in run and "lib64/stubs" not in run  # the stubs are lib/stubs through the lib64 link
+    assert "CUDA_TOOLKIT" not in " ".join(dockerfile["trainer-cpu"].runs + dockerfile["trainer-cpu"].env.split())
+
+
 @pytest.mark.parametrize("target", ["operator", "trainer"])
 def test_runs_as_the_pods_non_root_user(dockerfile: dict[str, Stage], target: str) -> None:
     stage = dockerfile[target]
@@ -271,6 +332,10 @@ def test_trainer_prebuilds_deepspeed_ops_for_its_cuda(dockerfile: dict[str, Stag
     for op in ("DS_BUILD_CPU_ADAM=1", "DS_BUILD_FUSED_ADAM=1", "DS_BUILD_AIO=1", "TORCH_CUDA_ARCH_LIST="):
         assert op in build
     assert "installed_ops" in build  # the build fails if an op was not compiled
+    # for the variant's accelerator: a builder sees no GPU, and DeepSpeed would build its CPU ops otherwise
+    (install,) = [command for command in build.split("&&") if "requirements.txt" in command]
+    assert "DS_ACCELERATOR=${TRAINER_VARIANT} python -m pip install" in install
+    assert "accelerator_name == '${TRAINER_VARIANT}'" in build
     cuda = re.search(r"nvidia/cuda:(\d+)\.(\d+)", base_image(dockerfile, "trainer"))
     index = re.search(r"/whl/cu(\d+)$", stage.args["TORCH_INDEX"])
     assert cuda and index and index.group(1) == cuda.group(1) + cuda.group(2), "torch's CUDA differs from nvcc's"
