@@ -27,7 +27,7 @@ from memfit.cli.profile_command import _activation_facts  # noqa: E402
 from memfit.memory.activations import ActivationSetup, saved_per_layer  # noqa: E402
 from memfit.memory.profiled_activations import AttentionHeads, composed  # noqa: E402
 from memfit.model_shape import ModelFamily, ModelShape  # noqa: E402
-from memfit.profile import ActivationProfile, ActivationTerm, ActivationTerms, TracedSetups  # noqa: E402
+from memfit.profile import ActivationProfile, ActivationTerm, ActivationTerms  # noqa: E402
 from memfit_trainer.activation_profile import (  # noqa: E402
     DEFAULT_LORA,
     DTYPE,
@@ -35,6 +35,8 @@ from memfit_trainer.activation_profile import (  # noqa: E402
     UNMASKED,
     Setup,
     TracedModel,
+    _each_checkpointed,
+    _traced_setups,
     activation_profile,
     attention_kernel,
     distinct_layer_types,
@@ -120,17 +122,12 @@ def _partial_profile(name: str) -> ActivationProfile:
     model = TracedModel.of(CONFIGS[name], _tokens(name))
     lora = lora_of(model.text, model.kinds, model.attention)
 
-    def four(row: Setup) -> list[ActivationTerms]:
-        setups = [
-            dataclasses.replace(row, lora=adapters, checkpointing=on)
-            for adapters in (None, lora)
-            for on in (False, True)
-        ]
-        return [model.terms(setup) for setup in setups]
+    def traced(row: Setup) -> list[ActivationTerms]:
+        """Full fine-tuning's and LoRA's terms of ``row``, each without and with checkpointing."""
+        return [model.terms(setup) for adapters in (None, lora) for setup in _each_checkpointed([row], adapters)]
 
-    full, full_checkpointed, adapted, adapted_checkpointed = four(FULL)
-    setups = ("full", "full_checkpointed", "lora", "lora_checkpointed")
-    unmasked = TracedSetups(**dict(zip(setups, four(UNMASKED), strict=True))) if name in UNMASKED_READ else None
+    full, full_checkpointed, adapted, adapted_checkpointed = traced(FULL)
+    unmasked = traced(UNMASKED) if name in UNMASKED_READ else None
     return ActivationProfile(
         dtype=DTYPE,
         micro_batch=1,
@@ -139,7 +136,7 @@ def _partial_profile(name: str) -> ActivationProfile:
         full_checkpointed=full_checkpointed,
         lora=adapted,
         lora_checkpointed=adapted_checkpointed,
-        unmasked=unmasked,
+        unmasked=_traced_setups(unmasked[:2], unmasked[2:]) if unmasked is not None else None,
         lora_rank=lora.rank,
         lora_dropout=lora.dropout,
     )
