@@ -33,12 +33,13 @@ tools:
 		$(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
 # One pytest worker per core (pytest-xdist; TEST_WORKERS=1 runs in one process), each test module on one worker
-# (its module fixtures, an API server or a shared run, are built once). --durations: CI's log says where its
-# minutes go (the suite must leave `make e2e` room in CI's 60).
+# (its module fixtures, an API server or a shared run, are built once), the longest modules first
+# (tests/conftest.py; `python -m tests.durations build/test-report.xml` refreshes their times from the report
+# written here). --durations: CI's log says where its minutes go (the suite must leave `make e2e` room in CI's 60).
 TEST_WORKERS ?= auto
 PYTEST = OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 test: setup tools
-	assets="$$($(ENVTEST))" && KUBEBUILDER_ASSETS="$$assets" $(PYTEST) --durations=30
+	assets="$$($(ENVTEST))" && KUBEBUILDER_ASSETS="$$assets" $(PYTEST) --durations=30 --junitxml=build/test-report.xml
 
 # The inner loop: no API server, no torchrun, nothing over ~1 s (the markers are in pyproject.toml); under a
 # minute on 2 cores. promtool is still needed (tests/monitoring, tests/trainer/test_metrics.py).
