@@ -33,11 +33,12 @@ tools:
 		$(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
 # One pytest worker per core (pytest-xdist; TEST_WORKERS=1 runs in one process), each test module on one worker
-# (its module fixtures, an API server or a shared run, are built once), the longest modules first
-# (tests/conftest.py; `python -m tests.durations build/test-report.xml` refreshes their times from the report
-# written here). --durations: CI's log says where its minutes go (the suite must leave `make e2e` room in CI's 60).
+# (its module fixtures, an API server or a shared run, are built once), the longest modules first: the order of
+# tests/conftest.py, which --no-loadscope-reorder keeps (xdist would sort modules by test count). `python -m
+# tests.durations build/test-report.xml` refreshes the modules' times from the report written here.
+# --durations: CI's log says where its minutes go (the suite must leave `make e2e` room in CI's 60).
 TEST_WORKERS ?= auto
-PYTEST = OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+PYTEST = OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: setup tools
 	assets="$$($(ENVTEST))" && KUBEBUILDER_ASSETS="$$assets" $(PYTEST) --durations=30 --junitxml=build/test-report.xml
 
