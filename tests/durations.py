@@ -1,7 +1,7 @@
 """The seconds each test file took in a run, the order ``tests/conftest.py`` hands files to pytest-xdist.
 
 ``make test`` runs each file on one worker (``--dist loadfile``) in the order collected; a long file started
-last would leave the other core idle for its length. ``python -m tests.durations build/junit.xml`` writes
+last would leave the other core idle for its length. ``python -m tests.durations build/test-report.xml`` writes
 ``tests/file_durations.json`` from a run's JUnit report (``make test`` writes one); the times only order the
 files, longest first, so a stale or missing entry makes the run slower, never wrong.
 """
