@@ -74,7 +74,7 @@ def _eight_bit_class(optimizer: Optimizer, sharded: bool) -> Callable[..., torch
     """bitsandbytes' 8-bit AdamW, paged or not, on plain tensors or (``sharded``) on FSDP2's local shards."""
     paged = optimizer == Optimizer.PAGED_ADAMW_8BIT
     if sharded:
-        from memfit_trainer.sharded_8bit import ShardedAdamW8bit, ShardedPagedAdamW8bit
+        from memfit_trainer.sharded_adamw8bit import ShardedAdamW8bit, ShardedPagedAdamW8bit
 
         return ShardedPagedAdamW8bit if paged else ShardedAdamW8bit
     from bitsandbytes.optim.adamw import AdamW8bit, PagedAdamW8bit

@@ -13,6 +13,9 @@ so the state dict hands it DTensors: the states with the parameter's own placeme
 the padded shard's block count and laid end to end, one piece per rank. The quantization blocks are this
 world size's shards: the states reload exactly into the same world size, and a checkpoint written at
 another is refused with the reason (:func:`check_quantized_for`).
+
+The optimizer classes themselves are in ``memfit_trainer.sharded_adamw8bit``: importing bitsandbytes sets up
+torch.compile (about 3 s of CPU per process), which a run without an 8-bit optimizer need not pay.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from bitsandbytes.optim.adamw import AdamW8bit, PagedAdamW8bit
 from torch.distributed.tensor import DTensor, Shard
 
 from memfit.contract.reader import ConfigError
@@ -55,7 +57,7 @@ def _blocks(numel: int) -> int:
     return math.ceil(numel / BLOCK)
 
 
-class _OnLocalShards:
+class OnLocalShards:
     """The overrides that run a bitsandbytes 8-bit optimizer on each DTensor parameter's local shard."""
 
     # What the bitsandbytes base class provides (Optimizer8bit), for mypy.
@@ -136,17 +138,9 @@ def _shard_local(param: torch.Tensor, key: str, tensor: torch.Tensor) -> torch.T
     return local
 
 
-class ShardedAdamW8bit(_OnLocalShards, AdamW8bit):
-    """bitsandbytes' ``AdamW8bit`` on FSDP2's DTensor parameters."""
-
-
-class ShardedPagedAdamW8bit(_OnLocalShards, PagedAdamW8bit):
-    """bitsandbytes' ``PagedAdamW8bit`` (states in CUDA managed memory) on FSDP2's DTensor parameters."""
-
-
 def quantized_for(optimizers: tuple[torch.optim.Optimizer, ...]) -> dict[str, int]:
     """The checkpoint entry of 8-bit states on shards: the world size they were quantized at (none else)."""
-    sharded = [o for o in optimizers if isinstance(o, _OnLocalShards)]
+    sharded = [o for o in optimizers if isinstance(o, OnLocalShards)]
     if not sharded:
         return {}
     params = [p for group in sharded[0].param_groups for p in group["params"]]
