@@ -66,6 +66,13 @@ class PhaseMemTracker(MemTracker):  # type: ignore[no-untyped-call]  # torch's _
         elif u_type.name in ("DEL", "REF"):
             self._live_temp.pop(id(winfo), None)
 
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # A fake tensor's device, which autograd asks of every gradient and matmul input (most of a trace's
+        # dispatches): it allocates nothing, and MemTracker would record a moment, a copy of the state, for it.
+        if func is torch.ops.prim.device.default:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[no-untyped-call]  # torch's
+
     def _update_peak_stats(self, peak_state: Any) -> None:
         self._records.append((categories_of(self._curr_mem_snap), tuple(self._live_temp.values())))
 
