@@ -128,10 +128,16 @@ def test_a_lora_job(volumes: dict[str, Path]) -> None:
     assert any((volumes["output"] / name / "final").glob("adapter_model.safetensors"))
 
 
+FAULT_STEPS = 400
+"""The steps of a job a fault hits: a first checkpoint at step 50, seen by the operator (it reads progress every
+15 s) a few dozen steps later, leaves hundreds of steps (minutes here, at about 0.6 s a step) for the fault to
+land in a running job."""
+
+
 def checkpointed_gang(name: str) -> tuple[int, str]:
-    """A tiny job of minutes of steps (the operator reads progress every 15 s) past its first checkpoint, as
-    the operator read it: that step, and the name of its rank-1 pod (the one a fault hits)."""
-    apply([example_job("tiny", name, maxSteps=1000, checkpointEverySteps=50)])
+    """A tiny job of :data:`FAULT_STEPS` steps past its first checkpoint, as the operator read it: that step,
+    and the name of its rank-1 pod (the one a fault hits)."""
+    apply([example_job("tiny", name, maxSteps=FAULT_STEPS, checkpointEverySteps=50)])
     checkpointed: int = wait_for(
         "a first checkpoint",
         lambda: (status(name).get("progress") or {}).get("lastCheckpointStep"),
@@ -151,7 +157,7 @@ def test_a_deleted_trainer_pod_restarts_the_gang_from_its_last_checkpoint(volume
     first, second = done["attempts"]
     assert first["outcome"] == "Failed" and second["outcome"] == "Succeeded"
     assert second["resumedFromStep"] >= checkpointed  # from its newest checkpoint, not from step 0
-    assert done["progress"]["step"] == 1000
+    assert done["progress"]["step"] == FAULT_STEPS
 
 
 LEAK_BLOCK_MIB = 64
@@ -175,7 +181,7 @@ def test_a_container_over_its_memory_limit_is_oom_killed_and_the_job_replans_and
     assert done["replans"] == 1 and len(done["excludedStrategies"]) == 1
     assert done["plan"]["strategy"] != planned  # a leaner plan
     assert second["resumedFromStep"] >= checkpointed  # from its newest checkpoint, not from step 0
-    assert done["progress"]["step"] == 1000
+    assert done["progress"]["step"] == FAULT_STEPS
     reasons = [line.split()[0] for line in warnings(name).splitlines()[1:] if line.strip()]
     assert "OutOfMemory" in reasons, warnings(name)
 
@@ -252,7 +258,7 @@ def test_a_gpu_pool_whose_node_has_no_device_fails_once_with_the_trainers_reason
 
 def test_the_operator_deleted_mid_job_is_replaced_and_adopts_it(volumes: dict[str, Path]) -> None:
     name = "adopted"
-    apply([example_job("tiny", name, maxSteps=1000, checkpointEverySteps=100)])
+    apply([example_job("tiny", name, maxSteps=FAULT_STEPS, checkpointEverySteps=100)])
     wait_for("the job to report progress", lambda: (status(name).get("progress") or {}).get("step"),
              TRAIN_SECONDS, lambda: describe(name))  # fmt: skip
     operators = "app.kubernetes.io/component=operator"
@@ -261,5 +267,5 @@ def test_the_operator_deleted_mid_job_is_replaced_and_adopts_it(volumes: dict[st
     done = wait_until_done(name)
     after = {p["metadata"]["name"] for p in items("pods", "memfit-system", operators)}
     assert after and not after & before  # new operator pods finished the job
-    assert done["restarts"] == 0 and len(done["attempts"]) == 1 and done["progress"]["step"] == 1000
+    assert done["restarts"] == 0 and len(done["attempts"]) == 1 and done["progress"]["step"] == FAULT_STEPS
     assert sorted(p["metadata"]["name"] for p in pods_of(name)) == [f"{name}-a1-n0", f"{name}-a1-n1"]  # no duplicates
