@@ -18,7 +18,10 @@ from tests.hostile.generate import Case, cases, encoding_cases, write, yaml_case
 
 CASES = cases()
 HANG_GUARD_S = 5
-"""Per case, in-process: generous; planning the heaviest valid case takes well under a second."""
+"""Per bad case, in-process: generous; each is refused in milliseconds."""
+PLAN_GUARD_S = 60
+"""Per valid case: a hang guard, not a timing test. Planning a hundred pools takes about 3 s on a free core
+and passed 5 s on CI's loaded ones (issue 36 is the search's speed)."""
 
 
 @pytest.fixture(scope="module")
@@ -47,12 +50,14 @@ def test_the_corpus_is_large_and_deterministic(tmp_path: Path) -> None:
     assert [(c.name, c.content) for c in cases()] == [(c.name, c.content) for c in CASES]
 
 
-@pytest.mark.timeout(HANG_GUARD_S, func_only=True)  # the corpus is written once, outside the guard
-@pytest.mark.parametrize(
-    "case",
-    [pytest.param(case, marks=pytest.mark.slow) if case.valid else case for case in CASES],  # valid: planned
-    ids=[case.name for case in CASES],
-)
+def _guarded(case: Case) -> object:
+    """The case under its hang guard (the corpus is written once, outside it); the valid ones are planned."""
+    if case.valid:
+        return pytest.param(case, marks=[pytest.mark.slow, pytest.mark.timeout(PLAN_GUARD_S, func_only=True)])
+    return pytest.param(case, marks=pytest.mark.timeout(HANG_GUARD_S, func_only=True))
+
+
+@pytest.mark.parametrize("case", [_guarded(case) for case in CASES], ids=[case.name for case in CASES])
 def test_memfit_plan(case: Case, corpus: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     path = corpus[case.name]
     code = main(["plan", str(path), "-o", "json"])
