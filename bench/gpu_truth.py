@@ -4,12 +4,15 @@ Run from the repository root on a machine with CUDA GPUs (``nvidia-smi`` must an
 plans for the GPUs it reports):
 
     .venv/bin/python bench/gpu_truth.py [--cases PATTERN,...] [--json FILE] [--steps 8] [--warmup 3]
+    .venv/bin/python bench/gpu_truth.py --cases default  # the default plans only (a lent GPU's first minutes)
     .venv/bin/python bench/gpu_truth.py --list          # the matrix, nothing run (any machine)
     .venv/bin/python bench/gpu_truth.py --plan-only     # plan every case for this machine, run nothing
 
 Without a CUDA GPU it prints one line (``gpu_truth: no CUDA GPU on this machine; nothing measured``) and exits 0.
 
-The matrix (``MATRIX``) crosses random-init model shapes from a 4-layer toy to Llama 3.1 8B with the methods
+The default plans (``DEFAULT_PLANS``) are jobs as users write them (model, method, batch, sequence length and
+nothing else): whatever the plan chooses for this machine runs, its engine and attention kernel included. The
+matrix (``MATRIX``) crosses random-init model shapes from a 4-layer toy to Llama 3.1 8B with the methods
 (full, LoRA, QLoRA) and techniques (ZeRO stages, optimizer and parameter offload, gradient checkpointing,
 micro-batch and accumulation, sequence length, 8-bit optimizer, eager attention). Each case is a FineTuneJob
 with ``model.randomInit: true``, a generated jsonl corpus (byte-level tokenizer, in a temporary directory)
@@ -48,7 +51,10 @@ How it measures, and why there:
 
 Output: a header line (date, GPU name from ``torch.cuda.get_device_name``, driver from ``nvidia-smi``, CUDA
 and torch versions), a table (planned GiB = the plan's predicted ``peakAllocatedBytes``, measured GiB, ratio
-measured/planned, planned tokens/s, measured tokens/s, ratio) and with ``--json FILE`` the same as JSON. A
+measured/planned, planned tokens/s, measured tokens/s, ratio) and the same as JSON, rewritten after every case,
+in ``--json FILE`` or by default in ``bench/results/gpu-truth-DATE.json`` (the README's table is printed from
+the newest such file by ``bench/gpu_truth_report.py``). The header also names the versions of the trainer's
+packages (``MEASURED_PACKAGES``). A
 figure that was not measured is never shown as one: such rows say ``skipped: REASON``, ``not run`` or
 ``failed: REASON`` and leave the measured columns empty.
 
@@ -63,6 +69,7 @@ import argparse
 import contextlib
 import fnmatch
 import http.client
+import importlib.metadata
 import json
 import math
 import os
@@ -146,7 +153,8 @@ Status = Literal["measured", "skipped", "not run", "failed", "out of memory"]
 
 @dataclass(frozen=True)
 class Case:
-    """One short run: a model shape, a method and every strategy knob pinned (per GPU)."""
+    """One short run: a model shape, a method and every strategy knob pinned (per GPU); or, unpinned, a job
+    that states only its model, method, batch and sequence length, run as the plan chooses (a default plan)."""
 
     model: str
     """A preset of memfit.catalog.models, or TOY."""
@@ -164,10 +172,15 @@ class Case:
     chunked_loss: bool = False
     activation_offloading: bool = False
     master_weights: MasterWeights = MasterWeights.FP32
+    pinned: bool = True
+    """False: the knobs above are not the job's (``micro_batch_size`` is then its sequences per GPU and step)."""
 
     @property
     def name(self) -> str:
-        """e.g. ``llama-3.1-8b-full-z2-optcpu-ckpt-mb1x1-s2048``: unique in the matrix, what ``--cases`` matches."""
+        """e.g. ``llama-3.1-8b-full-z2-optcpu-ckpt-mb1x1-s2048``, or ``llama-3.1-8b-auto-default-b8-s4096`` for
+        a default plan: unique in the matrix, what ``--cases`` matches."""
+        if not self.pinned:
+            return f"{self.model}-{self.method.value}-default-b{self.micro_batch_size}-s{self.sequence_length}"
         optional = (
             (self.offload_optimizer != Offload.NONE, f"opt{self.offload_optimizer.value}"),
             (self.offload_parameters != Offload.NONE, f"param{self.offload_parameters.value}"),
@@ -255,11 +268,26 @@ MATRIX: tuple[Case, ...] = (
         "llama-3.1-8b", _LORA, 2, 2048, gradient_checkpointing=True, chunked_loss=True, activation_offloading=True
     ),  # fmt: skip
 )
-"""Every case, smallest first. Knobs are per GPU: with --gpus N each case keeps its micro-batch and
+"""Every pinned case, smallest first. Knobs are per GPU: with --gpus N each case keeps its micro-batch and
 accumulation per GPU and its global batch grows N-fold."""
 
+DEFAULT_PLANS: tuple[Case, ...] = tuple(
+    Case(model=model, method=method, micro_batch_size=sequences, sequence_length=tokens, pinned=False)
+    for model, method, sequences, tokens in (
+        ("qwen2.5-0.5b", Method.AUTO, 8, 2048),
+        ("llama-3.2-3b", Method.LORA, 8, 4096),
+        ("llama-3.1-8b", Method.AUTO, 8, 4096),  # examples/llama-3.1-8b-lora.yaml, per GPU
+        ("qwen2.5-7b", Method.QLORA, 4, 4096),
+    )
+)
+"""The jobs as users write them, nothing but model, method, batch and sequence length: whatever the plan
+chooses (engine, kernels, techniques) is what runs and is measured. Random weights need a model of typed
+sizes (``randomInit``), so the models only profiled from their config.json (gpt-oss, Qwen3.5) are not here."""
+CASES: tuple[Case, ...] = (MATRIX[0], *DEFAULT_PLANS, *MATRIX[1:])
+"""What the kit runs, in this order: the toy (seconds: the kit works here), the default plans, the matrix."""
 
-def select_cases(patterns: Sequence[str], cases: Sequence[Case] = MATRIX) -> list[Case]:
+
+def select_cases(patterns: Sequence[str], cases: Sequence[Case] = CASES) -> list[Case]:
     """The cases whose name contains one of ``patterns`` or matches it as a glob (all without patterns)."""
     if not patterns:
         return list(cases)
@@ -268,8 +296,16 @@ def select_cases(patterns: Sequence[str], cases: Sequence[Case] = MATRIX) -> lis
 
 def job_document(case: Case, *, ranks: int = 1, steps: int = DEFAULT_STEPS) -> dict[str, Any]:
     """The FineTuneJob of ``case`` (camelCase, as a user writes it): random init, the generated corpus on the
-    ``data`` claim, every knob pinned; a checkpoint only at the last step."""
+    ``data`` claim, every knob pinned (none for a default plan); a checkpoint only at the last step."""
     architecture = dict(TOY_ARCHITECTURE) if case.model == TOY else {"preset": case.model}
+    training: dict[str, Any] = {
+        "globalBatchSize": case.global_batch_size(ranks),
+        "sequenceLength": case.sequence_length,
+        "maxSteps": steps,
+        "checkpointEverySteps": steps,
+    }
+    if not case.pinned:
+        return _job(case, architecture, training, {"resources": {"maxGPUs": ranks}})
     strategy: dict[str, Any] = {
         "zeroStage": case.zero_stage,
         "offloadOptimizer": case.offload_optimizer.value,
@@ -281,6 +317,11 @@ def job_document(case: Case, *, ranks: int = 1, steps: int = DEFAULT_STEPS) -> d
         "activationOffloading": case.activation_offloading,
         "masterWeights": case.master_weights.value,
     }
+    training.update(precision=Precision.BF16.value, optimizer=case.optimizer.value)
+    return _job(case, architecture, training, {"resources": {"maxGPUs": ranks}, "strategy": strategy})
+
+
+def _job(case: Case, architecture: dict[str, Any], training: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
     return {
         "apiVersion": "memfit.dev/v1alpha1",
         "kind": "FineTuneJob",
@@ -289,16 +330,8 @@ def job_document(case: Case, *, ranks: int = 1, steps: int = DEFAULT_STEPS) -> d
             "model": {"name": case.model, "randomInit": True, "architecture": architecture},
             "dataset": {"source": {"pvc": "data", "path": "train.jsonl"}, "format": "jsonl", "textField": "text"},
             "method": case.method.value,
-            "training": {
-                "globalBatchSize": case.global_batch_size(ranks),
-                "sequenceLength": case.sequence_length,
-                "maxSteps": steps,
-                "checkpointEverySteps": steps,
-                "precision": Precision.BF16.value,
-                "optimizer": case.optimizer.value,
-            },
-            "resources": {"maxGPUs": ranks},
-            "strategy": strategy,
+            "training": training,
+            **more,
             "output": {"pvc": "output", "path": "run/"},
         },
     }
@@ -324,11 +357,13 @@ CASE_KNOBS = {
 
 
 def case_mismatch(case: Case, strategy: Strategy, ranks: int) -> str | None:
-    """How ``strategy`` differs from what ``case`` pins (None: it is exactly the case)."""
-    pairs = {label: (getattr(strategy, name), getattr(case, name)) for label, name in CASE_KNOBS.items()}
-    pairs["GPUs"] = (strategy.gpus, ranks)
-    pairs["accumulation"] = (strategy.gradient_accumulation_steps, case.accumulation)
-    pairs["precision"] = (strategy.precision, Precision.BF16)
+    """How ``strategy`` differs from what ``case`` pins (None: it is exactly the case; a default plan pins only
+    its GPUs)."""
+    pairs: dict[str, tuple[object, object]] = {"GPUs": (strategy.gpus, ranks)}
+    if case.pinned:
+        pairs |= {label: (getattr(strategy, name), getattr(case, name)) for label, name in CASE_KNOBS.items()}
+        pairs["accumulation"] = (strategy.gradient_accumulation_steps, case.accumulation)
+        pairs["precision"] = (strategy.precision, Precision.BF16)
     differences = [f"{key} {str(got)} (case: {str(wanted)})" for key, (got, wanted) in pairs.items() if got != wanted]
     return "; ".join(differences) or None
 
@@ -360,6 +395,7 @@ class Planned:
     """The plan's estimates for one case (never measurements)."""
 
     strategy: str
+    attention: str
     peak_allocated_bytes: int
     total_bytes: int
     gpu_memory_bytes: int
@@ -369,6 +405,7 @@ class Planned:
     def of(cls, candidate: PlanCandidate) -> Planned:
         return cls(
             strategy=candidate.strategy.summary(),
+            attention=str(candidate.strategy.attention),
             peak_allocated_bytes=candidate.memory.per_gpu.peak_allocated_bytes,
             total_bytes=candidate.memory.per_gpu.total,
             gpu_memory_bytes=candidate.gpu_memory_bytes,
@@ -446,6 +483,7 @@ class CaseResult:
                 "sequenceLength": case.sequence_length,
                 "optimizer": case.optimizer.value,
                 "attention": case.attention.value,
+                "pinned": case.pinned,
             },
             "status": self.status,
             "reason": self.reason,
@@ -453,6 +491,7 @@ class CaseResult:
             if self.planned is None
             else {
                 "strategy": self.planned.strategy,
+                "attention": self.planned.attention,
                 "peakAllocatedBytes": self.planned.peak_allocated_bytes,
                 "totalBytes": self.planned.total_bytes,
                 "gpuMemoryBytes": self.planned.gpu_memory_bytes,
@@ -495,15 +534,15 @@ def header_line(info: dict[str, str]) -> str:
     return "gpu_truth " + "  ".join(f"{key}: {value}" for key, value in info.items())
 
 
-def _gib(value: float | None) -> str:
+def gib_text(value: float | None) -> str:
     return "-" if value is None else f"{value / GIB:.2f}"
 
 
-def _ratio(value: float | None) -> str:
+def ratio_text(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def _rate(value: float | None) -> str:
+def rate_text(value: float | None) -> str:
     return "-" if value is None else f"{value:,.0f}"
 
 
@@ -531,19 +570,19 @@ def table_rows(results: Sequence[CaseResult]) -> list[list[str]]:
     for result in results:
         planned, measured = result.planned, result.measured
         peak = measured.peak_bytes if measured else None
-        peak_text = _gib(peak)
+        peak_text = gib_text(peak)
         if peak is not None and result.status == "out of memory":
             peak_text += " @OOM"
         elif measured is not None and peak is not None and measured.peak_through_step is not None:
             peak_text += f" @{measured.peak_through_step}"
         rows.append([
             result.case.name,
-            _gib(planned.peak_allocated_bytes if planned else None),
+            gib_text(planned.peak_allocated_bytes if planned else None),
             peak_text,
-            _ratio(result.memory_ratio),
-            _rate(planned.tokens_per_second if planned else None),
-            _rate(measured.tokens_per_second if measured else None),
-            _ratio(result.throughput_ratio),
+            ratio_text(result.memory_ratio),
+            rate_text(planned.tokens_per_second if planned else None),
+            rate_text(measured.tokens_per_second if measured else None),
+            ratio_text(result.throughput_ratio),
             status_text(result),
         ])  # fmt: skip
     return rows
@@ -581,6 +620,22 @@ def format_table(results: Sequence[CaseResult], device: Device = "cuda") -> str:
 
 def report_json(info: dict[str, str], settings: dict[str, Any], results: Sequence[CaseResult]) -> dict[str, Any]:
     return {"header": info, "settings": settings, "results": [result.to_dict() for result in results]}
+
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+"""Where a GPU run writes its results by default, one dated file per run: what the README's table is made of
+(``bench/gpu_truth_report.py``)."""
+
+
+def dated_results_path(date: str) -> Path:
+    """``results/gpu-truth-YYYY-MM-DD.json`` for the header's ISO date (``-2``, ``-3``... for more runs that day)."""
+    day = date[:10]
+    path = RESULTS_DIR / f"gpu-truth-{day}.json"
+    again = 2
+    while path.exists():
+        path, again = RESULTS_DIR / f"gpu-truth-{day}-{again}.json", again + 1
+    RESULTS_DIR.mkdir(exist_ok=True)
+    return path
 
 
 # --- running one case --------------------------------------------------------------------------------------
@@ -1041,7 +1096,23 @@ def machine_info(device: Device) -> dict[str, str]:
     info["driver"] = _driver_version()
     info["cuda"] = str(details.get("cuda") or "unknown")
     info["torch"] = str(details.get("torch") or "unknown")
+    info.update(package_versions())
     return info
+
+
+MEASURED_PACKAGES = ("transformers", "deepspeed", "peft", "bitsandbytes", "flash-attn", "liger-kernel")
+"""The trainer's packages whose versions a measurement depends on (a header field each)."""
+
+
+def package_versions() -> dict[str, str]:
+    """The installed version of each of :data:`MEASURED_PACKAGES` ("not installed" where it is not)."""
+    versions = {}
+    for name in MEASURED_PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
 
 
 def _driver_version() -> str:
@@ -1066,7 +1137,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--cases", default="", help="comma-separated substrings or globs of case names (default all)")
     parser.add_argument("--list", action="store_true", help="list the (selected) cases and exit")
     parser.add_argument("--plan-only", action="store_true", help="plan each case for this machine, run none")
-    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the results as JSON to FILE")
+    parser.add_argument(
+        "--json", type=Path, metavar="FILE",
+        help=f"write the results as JSON to FILE (default on a GPU: {RESULTS_DIR.name}/gpu-truth-DATE.json in bench/)",
+    )  # fmt: skip
     parser.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs (ranks) per case (default 1)")
     parser.add_argument(
         "--steps", type=int, default=DEFAULT_STEPS, help=f"optimizer steps per run (<= {RATE_WINDOW_STEPS})"
@@ -1107,6 +1181,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     info = machine_info("cuda")
     print(header_line(info), flush=True)
+    if args.json is None and not args.plan_only:
+        args.json = dated_results_path(info["date"])
     # A SIGTERM (a scheduler's, `timeout`'s) ends the case in progress like Ctrl-C does: the run is stopped,
     # its processes (in sessions of their own) too, rather than left training on the GPU.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)

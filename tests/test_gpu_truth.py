@@ -20,8 +20,10 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
-from bench import gpu_truth
+from bench import gpu_truth, gpu_truth_report
 from bench.gpu_truth import (
+    CASES,
+    DEFAULT_PLANS,
     GIB,
     MATRIX,
     NO_GPU_LINE,
@@ -50,6 +52,7 @@ from memfit_trainer import metrics as trainer_metrics
 from memfit_trainer.metrics import TrainerMetrics
 
 REPO = Path(__file__).resolve().parents[1]
+CASE_NAMES = {case.name for case in CASES}
 H100 = "NVIDIA-H100-80GB-HBM3"
 
 
@@ -87,7 +90,9 @@ def test_the_script_without_cuda() -> None:
 def test_list_and_filter(capsys: pytest.CaptureFixture[str]) -> None:
     assert gpu_truth.main(["--list"]) == 0
     listed = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in listed] == [case.name for case in MATRIX]
+    assert [line.split()[0] for line in listed] == [case.name for case in CASES]
+    assert gpu_truth.main(["--list", "--cases", "default"]) == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()] == [c.name for c in DEFAULT_PLANS]
     assert gpu_truth.main(["--list", "--cases", "llama-3.1-8b-*lora*,toy"]) == 0
     names = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
     assert names[0].startswith("toy-") and all(n.startswith("llama-3.1-8b-") for n in names[1:])
@@ -148,6 +153,21 @@ def test_pins_plan_exactly_the_case_on_an_h100(case: Case, gpus: int) -> None:
     assert result.chosen is not None, gpu_truth.why_not(result)
     assert case_mismatch(case, result.chosen.strategy, gpus) is None, result.chosen.strategy.summary()
     assert result.chosen.memory.per_gpu.peak_allocated_bytes > 0
+
+
+@pytest.mark.parametrize("case", DEFAULT_PLANS, ids=lambda case: case.name)
+def test_a_default_plan_pins_nothing_and_runs_what_the_planner_chooses(case: Case) -> None:
+    spec = job_document(case, ranks=2)["spec"]
+    assert "strategy" not in spec and spec["training"].keys() == {
+        "globalBatchSize", "sequenceLength", "maxSteps", "checkpointEverySteps",
+    }  # fmt: skip
+    assert spec["training"]["globalBatchSize"] == 2 * case.micro_batch_size
+    for gpus in (1, 2):
+        result = plan_case(build_job(case, ranks=gpus), h100_pool(gpus), gpus)
+        assert result.chosen is not None, gpu_truth.why_not(result)
+        assert case_mismatch(case, result.chosen.strategy, gpus) is None  # whatever it chose
+        assert case_mismatch(case, result.chosen.strategy, gpus + 1) == f"GPUs {gpus} (case: {gpus + 1})"
+        assert Planned.of(result.chosen).attention == str(result.chosen.strategy.attention)
 
 
 def test_a_mismatch_is_named() -> None:
@@ -257,8 +277,9 @@ def test_steady_rate_refuses_what_it_cannot_work_out() -> None:
 
 # --- results, table and JSON (SYNTHETIC numbers) -----------------------------------------------------------
 
-SYNTHETIC_PLANNED = Planned(strategy="full zero0 mb4x1 bf16 adamw on 1x1 local", peak_allocated_bytes=20 * GIB,
-                            total_bytes=22 * GIB, gpu_memory_bytes=80 * GIB, tokens_per_second=10_000.0)  # fmt: skip
+SYNTHETIC_PLANNED = Planned(strategy="full zero0 mb4x1 bf16 adamw on 1x1 local", attention="sdpa",
+                            peak_allocated_bytes=20 * GIB, total_bytes=22 * GIB, gpu_memory_bytes=80 * GIB,
+                            tokens_per_second=10_000.0)  # fmt: skip
 
 
 def synthetic_results() -> list[CaseResult]:
@@ -319,6 +340,46 @@ def test_json_report() -> None:
     assert failed["measured"] is None  # nothing was read from that run: no zeros stand in for it
     assert oom["measured"]["peakBytes"] == 79 * GIB and oom["measured"]["tokensPerSecond"] is None
     assert measured["case"]["method"] == "full" and measured["case"]["sequenceLength"] == MATRIX[1].sequence_length
+
+
+def test_a_gpu_run_writes_a_dated_file_and_the_readme_shows_the_newest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gpu_truth, "RESULTS_DIR", tmp_path / "results")
+    first = gpu_truth.dated_results_path("2026-12-01T10:00:00Z")
+    assert first == tmp_path / "results" / "gpu-truth-2026-12-01.json"
+    info = {"date": "2026-12-01T10:00:00Z", "gpu": "1x SYNTHETIC GPU", "transformers": "9.9"}
+    first.write_text(json.dumps(report_json(info, {"gpus": 1, "steps": 8, "warmup": 3}, synthetic_results())))
+    second = gpu_truth.dated_results_path("2026-12-01T18:00:00Z")
+    assert second.name == "gpu-truth-2026-12-01-2.json"  # a second run that day keeps the first
+    second.write_text(first.read_text())
+    (tmp_path / "results" / "gpu-truth-2026-11-30.json").write_text("{}")
+    assert gpu_truth_report.newest(tmp_path / "results") == second
+    text = gpu_truth_report.report(json.loads(second.read_text()))
+    lines = text.splitlines()
+    assert lines[0].startswith("2026-12-01: 1x SYNTHETIC GPU") and "transformers 9.9" in lines[0]
+    rows = {line.split()[0]: line.split() for line in lines if line.split() and line.split()[0] in CASE_NAMES}
+    assert list(rows) == [MATRIX[1].name, MATRIX[5].name]  # what ran: measured, out of memory
+    assert rows[MATRIX[1].name][-6:] == ["20.00", "21.00", "1.050", "10,000", "8,000", "0.800"]
+    assert rows[MATRIX[5].name][-7:-3] == ["20.00", "79.00", "@OOM", "3.950"]
+    assert lines[-1] == "not measured in this run: 1 failed, 1 not run, 1 skipped (of 5 cases)"
+
+
+def test_the_report_without_a_results_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(gpu_truth_report, "RESULTS_DIR", tmp_path)
+    assert gpu_truth_report.main([]) == 2 and "no results file" in capsys.readouterr().err
+    (tmp_path / "broken.json").write_text("{")
+    assert gpu_truth_report.main([str(tmp_path / "broken.json")]) == 2
+    assert "broken.json" in capsys.readouterr().err
+
+
+def test_the_header_names_the_trainers_package_versions() -> None:
+    import transformers
+
+    versions = gpu_truth.package_versions()
+    assert tuple(versions) == gpu_truth.MEASURED_PACKAGES and versions["transformers"] == transformers.__version__
 
 
 def test_cpu_memory_is_labelled_as_host_rss() -> None:

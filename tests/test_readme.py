@@ -1,5 +1,5 @@
 """The README's `memfit plan` and `memfit profile` examples are what memfit prints (regenerate them:
-python tests/readme_outputs.py)."""
+python -m tests.readme_outputs)."""
 
 from __future__ import annotations
 
@@ -25,5 +25,5 @@ EXAMPLES = [
 @pytest.mark.slow
 def test_each_example_is_the_output_of_its_command(command: str, start: int, end: int) -> None:
     assert comparable(TEXT[start:end]) == comparable(run(command)), (
-        f"the README's output of `{command}` is stale: python tests/readme_outputs.py"
+        f"the README's output of `{command}` is stale: python -m tests.readme_outputs"
     )
