@@ -16,7 +16,6 @@ parameters themselves (and clips their gradients itself).
 from __future__ import annotations
 
 import copy
-import functools
 import os
 import re
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from memfit.contract.engines import DeepSpeedEngineSection, precision_section
 from memfit.contract.trainer_config import TrainerConfig
 from memfit_trainer import sequence_parallel
 from memfit_trainer.checkpoint import DEEPSPEED_TAG
+from memfit_trainer.cpu_info import ask_the_kernel_once
 from memfit_trainer.model import trains_adapters
 from memfit_trainer.optimization import client_optimizer, warmup_cosine
 from memfit_trainer.optimizer_in_backward import SteppedInBackward, all_reduce_mean, step_in_backward
@@ -42,18 +42,8 @@ if TYPE_CHECKING:
 def init_deepspeed_process_group() -> None:
     import deepspeed
 
-    _ask_cpuinfo_once()
+    ask_the_kernel_once()
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-
-
-def _ask_cpuinfo_once() -> None:
-    """DeepSpeed's CPU Adam asks py-cpuinfo three times as it builds (its constructor, then its op builder's
-    ``cpu_arch`` and ``simd_width``), and each answer costs about 1.2 s (py-cpuinfo runs itself in a
-    subprocess); a process's CPU cannot change, so the first answer serves all three."""
-    import cpuinfo  # DeepSpeed's own dependency
-
-    if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
-        cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
 
 
 def engine_config(config: TrainerConfig, client: bool) -> dict[str, Any]:
