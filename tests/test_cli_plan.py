@@ -33,7 +33,10 @@ STRATEGY_KEYS = {"method", "pool", "nodes", "gpusPerNode", "zeroStage", "offload
                  "gradientCheckpointing", "microBatchSize", "gradientAccumulationSteps", "precision", "optimizer",
                  "attention", "chunkedLoss", "activationOffloading", "masterWeights", "engine",
                  "optimizerInBackward", "sequenceParallel", "tiledMlp", "packing"}  # fmt: skip
-PER_GPU_KEYS = {"parameters", "gradients", "optimizerStates", "activations", "overhead", "peakAllocatedBytes", "total"}
+PER_GPU_KEYS = {
+    "parameters", "gradients", "optimizerStates", "activations", "overhead", "peakAllocatedBytes", "total",
+    "activationPeak",
+}  # fmt: skip
 
 
 def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:

@@ -219,14 +219,20 @@ class PerGPUMemory:
     optimizer_states: int
     """Optimizer states and fp32 master weights resident on the GPU."""
     activations: int
-    """Peak memory of one micro-batch's forward and backward that is not weights, gradients or states
-    (also when the optimizer step binds: it runs after they are freed, so `total` then leaves them out)."""
+    """Memory of one micro-batch's forward and backward that is not weights, gradients or states, at the
+    forward/backward pass's binding moment (also when the optimizer step binds: it runs after they are freed, so
+    `total` then leaves them out). Their own peak can come at another moment: `activationPeak`."""
     overhead: int
     """CUDA context, allocator fragmentation and communication buckets."""
     peak_allocated_bytes: int
     """Predicted torch.cuda.max_memory_allocated() of one training step on one rank."""
     total: int
     """What the GPU must hold: the total of the binding moment (`memory.phases`)."""
+    activation_peak: int | None = None
+    """The most one micro-batch's forward and backward hold beyond weights, gradients and states, at whichever
+    moment (the loss's, for a checkpointed step): what a trace of the step's activations peaks at. It exceeds
+    `activations` where the pass binds elsewhere (a sharded step binds where the most layers are gathered).
+    None in plans recorded before it was."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -190,6 +190,9 @@ def _memory_table(chosen: PlanCandidate, headroom_percent: float) -> Table:
             note += f" (activations {_gib(phases.forward_backward.activations)} GiB)"
         table.add_row(f"{MOMENTS[other]} total", _gib(other_total), f"{other_total / capacity:.0%}", note)
     table.add_row("peak allocated", _gib(per_gpu.peak_allocated_bytes), "", "torch.cuda.max_memory_allocated()")
+    peak = per_gpu.activation_peak
+    if peak is not None and peak != bound.activations:
+        table.add_row("activation peak", _gib(peak), "", "activations' own peak, at a moment that binds less")
     return table
 
 

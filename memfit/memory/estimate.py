@@ -189,6 +189,7 @@ def peak_memory(static: StaticMemory, activations: ActivationEstimate, accumulat
         overhead=overhead,
         peak_allocated_bytes=resident + bound.gradients + bound.activations,
         total=bound.total,
+        activation_peak=activations.peak,
     )
     return PlanMemory(
         per_gpu=per_gpu,
