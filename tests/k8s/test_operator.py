@@ -532,7 +532,9 @@ def test_two_replicas_share_the_work_through_peering(
         objects.create_namespaced_custom_object(GROUP, VERSION, "peering", JOBS, manifest)
         handed_over = lambda: _status(objects, "peering", "after-handover").get("attempts")  # noqa: E731
         wait_for("the standby launching a new job", handed_over, timeout=60)
-        assert "[peering/after-handover] Launching" in standby.log.read_text()
+        # Its log line follows the status patch and the pods' creation (``_apply``): wait for it, do not race it.
+        logged = lambda: "[peering/after-handover] Launching" in standby.log.read_text()  # noqa: E731
+        wait_for("the standby's log line of that launch", logged, describe=standby.tail)
     finally:
         for replica in replicas:
             replica.stop()
@@ -730,6 +732,8 @@ def run_profiling_pod(
     message = log.read_text(encoding="utf-8") if log.exists() else None
     reason = "Completed" if done.returncode == 0 else "Error"
     kubelet.terminate(NAMESPACE, pod.metadata.name, done.returncode, reason=reason, message=message)
+    if done.returncode not in (0, 2):  # neither profiled nor refused in one line: show why in the failure
+        print(f"profiler exited {done.returncode}; its stderr:\n{done.stderr[-6000:]}")
     return done.returncode
 
 
