@@ -39,11 +39,11 @@ from memfit_trainer.activation_profile import (  # noqa: E402
     _traced_setups,
     activation_profile,
     attention_kernel,
-    distinct_layer_types,
     lora_of,
     solve,
     text_config,
     trace,
+    traced_layer_types,
 )
 
 WIDTHS = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -223,7 +223,7 @@ def test_a_packed_row_keeps_its_attention_mask(setup: str, profiles: dict[str, A
     document with no mask at all, and the quadratic term is the mask's (the scores of SDPA are not kept)."""
     profile = profiles["llama"]
     text = text_config(CONFIGS["llama"])
-    kinds = distinct_layer_types(text)
+    kinds = traced_layer_types(text)
     packed_setup = _setup(profile, setup)
     unpacked_setup = Setup(lora=packed_setup.lora, packed=False)
     batch, tokens = profile.micro_batch, HELD_OUT
@@ -244,7 +244,7 @@ def test_adapters_on_fused_experts_are_traced_without_dropout() -> None:
     moe = {**moe, "moe_intermediate_size": 128}
     for config, dropout in ((moe, 0.0), (CONFIGS["qwen3"], DEFAULT_LORA.dropout)):
         text = text_config(config)
-        lora = lora_of(text, distinct_layer_types(text), attention_kernel(text))
+        lora = lora_of(text, traced_layer_types(text), attention_kernel(text))
         assert (lora.rank, lora.dropout) == (DEFAULT_LORA.rank, dropout)
 
 
@@ -419,7 +419,7 @@ def test_tiled_mlp_terms_keep_less_and_predict_a_held_out_count_of_whole_tiles(
     profile = profiles["llama"]
     assert profile.tiled_mlp is not None and profile.unmasked is not None
     text = text_config(CONFIGS["llama"])
-    kinds, held_out = distinct_layer_types(text), 5 * int(text.hidden_size)
+    kinds, held_out = traced_layer_types(text), 5 * int(text.hidden_size)
     row = Setup(lora=_setup(profile, setup).lora, packed=False)
     whole = trace(text, kinds, held_out, profile.attention, dataclasses.replace(row, tiled_mlp=True))
     tiled, untiled = (profile.terms(setup == "lora", False, traced) for traced in (profile.tiled_mlp, profile.unmasked))

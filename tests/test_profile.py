@@ -270,3 +270,18 @@ def test_all_linear_leaves_out_linears_with_a_forward_of_their_own_and_llama4_lo
     assert all_linear.modules and not any("router" in group.name for group in all_linear.modules)
     assert result.activations is not None
     assert result.activations.lora is not None and result.activations.lora_failure is None
+
+
+def test_profiling_leaves_the_config_as_the_file_has_it_and_names_its_sha256() -> None:
+    """transformers edits a config's nested dicts as it reads them (Llama 3.1's ``rope_scaling``): the profiler reads
+    a copy, so the profile's ``config_sha256`` is the file's own, the one ``memfit plan`` looks a model up by."""
+    from memfit.profile import canonical_config_sha256
+    from memfit_trainer.activation_profile import TracedModel
+
+    path = stored_config_path("llama-3.1-8b")
+    assert path is not None
+    config = read_config(path)
+    as_read = json.loads(json.dumps(config))
+    TracedModel.of(config)
+    assert profile(config).config_sha256 == canonical_config_sha256(as_read)
+    assert config == as_read

@@ -116,7 +116,18 @@ def text_config(config: dict[str, Any]) -> Any:
     """The ``transformers`` config of the text decoder a config.json describes (a multimodal one's text part)."""
     from transformers import AutoConfig
 
-    return AutoConfig.for_model(**config).get_text_config()
+    return AutoConfig.for_model(**transformers_fields(config)).get_text_config()
+
+
+def transformers_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """The config.json's fields as transformers reads the file: the floats JSON cannot hold, which its
+    ``save_pretrained`` writes as ``{"__float__": "Infinity"}`` (Falcon-H1's ``time_step_limit``), made floats
+    again, in new dicts and lists: transformers edits a config's nested dicts as it reads them (a
+    ``rope_scaling``), and the config.json's own fields stay as the file has them (its ``config_sha256``)."""
+    from transformers import PretrainedConfig
+
+    decoded: dict[str, Any] = PretrainedConfig._decode_special_floats(config)
+    return decoded
 
 
 MESSAGE_LENGTH = 200
@@ -128,41 +139,83 @@ class ProfileError(ValueError):
 
 
 def decoder_layers_prefix(model: Any, num_layers: int) -> str:
-    """``model.layers``, ``model.language_model.layers``...: where the text decoder keeps its layers.
+    """``model.layers``, ``transformer.h``, ``model.language_model.layers``...: where the text decoder keeps its
+    layers, an ``nn.ModuleList`` of the config's length outside any vision or audio tower.
 
-    The decoder's ``layers`` where :func:`~memfit_trainer.chunked_loss.text_decoder` finds it, else the one
-    ``layers`` list of the config's length outside any vision or audio tower.
+    The decoder's ``layers`` where :func:`~memfit_trainer.chunked_loss.text_decoder` finds it, else the one such
+    list named ``layers``, else the one inside that decoder (GPT-2's and Bloom's ``h``), else the only one.
     """
+    from torch import nn
+
     from memfit_trainer.chunked_loss import text_decoder
 
-    decoder_layers = getattr(text_decoder(model), "layers", None)
-    candidates = [
-        name
+    decoder = text_decoder(model)
+    decoder_layers = getattr(decoder, "layers", None)
+    inside = {id(module) for module in decoder.modules()}
+    lists = [
+        (name, module)
         for name, module in model.named_modules()
-        if (module is decoder_layers if decoder_layers is not None else name.rpartition(".")[2] == "layers")
+        if isinstance(module, nn.ModuleList)
         and len(module) == num_layers
         and not any(tower in name for tower in ("vision", "audio"))
     ]
-    if len(candidates) != 1:
+    tiers = (
+        [name for name, module in lists if module is decoder_layers],
+        [name for name, _ in lists if name.rpartition(".")[2] == "layers"],
+        [name for name, module in lists if id(module) in inside],
+        [name for name, _ in lists],
+    )
+    found = next((tier for tier in tiers if tier), [])
+    if len(found) != 1:
         raise ProfileError(f"cannot tell the decoder's {num_layers} layers in {type(model).__name__}")
-    return str(candidates[0])
+    return str(found[0])
 
 
-def distinct_layer_types(text: Any) -> tuple[str, ...]:
-    """The decoder's layer types in order of first appearance (``full_attention`` where the config names none)."""
-    kinds = getattr(text, "layer_types", None) or [FULL_ATTENTION] * int(text.num_hidden_layers)
+def traced_layer_types(text: Any) -> tuple[str, ...]:
+    """The decoder layers a trace builds: one of each type, in order of first appearance (``full_attention`` where
+    the config names none). A config that computes its layer types from other fields (a property: Jamba's periods,
+    Zamba 2's hybrid layer ids, RecurrentGemma's block pattern) cannot be given other ones: there the model's own
+    first layers, as many as hold every type, each type then planned at the most any of its layers holds
+    (:func:`layers_by_type`)."""
+    kinds = list(getattr(text, "layer_types", None) or [FULL_ATTENTION] * int(text.num_hidden_layers))
+    if _derived_layer_types(text):
+        return tuple(kinds[: max(kinds.index(kind) for kind in set(kinds)) + 1])
     return tuple(dict.fromkeys(kinds))
+
+
+def layers_by_type(kinds: Sequence[str]) -> dict[str, list[int]]:
+    """The indices of the traced layers of each type, types in order of first appearance."""
+    indices: dict[str, list[int]] = {}
+    for index, kind in enumerate(kinds):
+        indices.setdefault(kind, []).append(index)
+    return indices
+
+
+def _derived_layer_types(text: Any) -> bool:
+    """Whether the config's class computes ``layer_types`` (a property without a setter, under that name or the
+    one its ``attribute_map`` reads: Falcon-H1's ``layers_block_type``)."""
+    name = getattr(text, "attribute_map", {}).get("layer_types", "layer_types")
+    attribute = getattr(type(text), name, None)
+    return isinstance(attribute, property) and attribute.fset is None
 
 
 def truncated(text: Any, layer_types: Sequence[str]) -> Any:
     """A copy of the text config with exactly these decoder layers, widths unchanged.
 
     ``layer_types`` is set explicitly, which is what configs that derive it from a pattern
-    (``sliding_window_pattern``, ``full_attention_interval``) read first.
+    (``sliding_window_pattern``, ``full_attention_interval``) read first. A config that computes it from other
+    fields (:func:`traced_layer_types`) is cut to as many layers, which must then be these.
     """
     short = copy.deepcopy(text)
     short.num_hidden_layers = len(layer_types)
-    if getattr(text, "layer_types", None) is not None:
+    if _derived_layer_types(text):
+        if list(short.layer_types) != list(layer_types):
+            raise ProfileError(
+                f"{text.model_type} computes its layer types from other fields, and a copy cut to "
+                f"{len(layer_types)} layers has {list(short.layer_types)}, not the whole model's first "
+                f"{list(layer_types)}: no copy of its layers can be traced"
+            )
+    elif getattr(text, "layer_types", None) is not None:
         short.layer_types = list(layer_types)
     elif set(layer_types) != {FULL_ATTENTION}:
         raise ValueError(f"{text.model_type} names no layer types, cannot build {sorted(set(layer_types))}")
@@ -424,7 +477,7 @@ class TracedModel:
     @classmethod
     def of(cls, config: dict[str, Any], tokens: Sequence[int] | None = None) -> TracedModel:
         text = text_config(config)
-        kinds = distinct_layer_types(text)
+        kinds = traced_layer_types(text)
         window = getattr(text, "sliding_window", None) if any("sliding" in kind for kind in kinds) else None
         counts = tuple(tokens or token_counts(window))
         tiled = tuple(factor * int(text.hidden_size) for factor in TILES)
@@ -583,10 +636,11 @@ def _outside_list(outside: OutsideTerms) -> list[ActivationTerm]:
 def _layers(
     traces: list[Trace], kinds: Sequence[str], attention: str, window: int | None
 ) -> tuple[LayerActivations, ...]:
+    """One entry per layer type, each term solved over the most any traced layer of that type holds at each count."""
     layers = []
-    for index, kind in enumerate(kinds):
+    for kind, indices in layers_by_type(kinds).items():
         windowed = window if "sliding" in kind else None
-        saved = solve([(t.tokens, t.layers[index].saved) for t in traces], windowed)
-        peak = solve([(t.tokens, t.layers[index].backward_peak) for t in traces], windowed)
+        saved = solve([(t.tokens, max(t.layers[i].saved for i in indices)) for t in traces], windowed)
+        peak = solve([(t.tokens, max(t.layers[i].backward_peak for i in indices)) for t in traces], windowed)
         layers.append(LayerActivations(layer_type=kind, attention=attention, saved=saved, backward_peak=peak))
     return tuple(layers)

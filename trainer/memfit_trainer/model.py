@@ -10,6 +10,7 @@ honoured by ``huggingface_hub``.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 import tempfile
@@ -264,33 +265,86 @@ def check_planned_shape(model_config: ModelConfig, loaded: Any = None) -> None:
 
 
 def peft_lora_config(lora: LoraConfig, model: Any) -> Any:
-    """peft's ``LoraConfig`` for the config's ``training.lora`` section (causal-LM adapters) on ``model``."""
+    """peft's ``LoraConfig`` for the config's ``training.lora`` section (causal-LM adapters) on ``model``:
+    ``all-linear`` leaves out the linears whose adapters could not train (:func:`not_plain_linears`) and those
+    peft refuses to wrap in this model (:func:`refused_by_peft`)."""
     from peft import LoraConfig as PeftLoraConfig
 
     all_linear = lora.target_modules == [ALL_LINEAR]
     targets: str | list[str] = ALL_LINEAR if all_linear else list(lora.target_modules)
     # peft annotates lora_alpha as int, but it only divides it by r: a float alpha is used as given.
-    return PeftLoraConfig(
+    config = PeftLoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,  # type: ignore[arg-type]
         lora_dropout=lora.dropout,
         target_modules=targets,
-        exclude_modules=(not_plain_linears(model) or None) if all_linear else None,
         task_type="CAUSAL_LM",
     )
+    if all_linear:
+        config.exclude_modules = not_plain_linears(model) + refused_by_peft(config, model) or None
+    return config
+
+
+def refused_by_peft(config: Any, model: Any) -> list[str]:
+    """The modules ``all-linear`` resolves to (peft's own resolution) that peft refuses to adapt in this model:
+    it refuses LoRA on the ``out_proj`` of some Mamba models' mixers, raising where ``all-linear`` reaches it (its
+    ``_check_lora_target_modules_mamba``, asked here of each module). Nothing where the peft installed has no
+    such check."""
+    from peft.tuners import tuners_utils
+
+    check = getattr(tuners_utils, "_check_lora_target_modules_mamba", None)
+    if check is None:
+        return []
+    resolved: Any = tuners_utils._maybe_include_all_linear_layers(copy.copy(config), model)
+    refused = []
+    for name in sorted(resolved.target_modules):
+        try:
+            check(config, model, name.rpartition(".")[2])
+        except ValueError:
+            refused.append(name)
+    return refused
+
+
+def adapted(model: Any, config: Any) -> Any:
+    """peft's model of ``config``'s adapters on ``model``; a ConfigError in one line where peft cannot build them
+    (a target it refuses in this model, or one the model does not have)."""
+    from peft import get_peft_model
+
+    try:
+        return get_peft_model(model, config)
+    except ValueError as error:  # peft's own refusals
+        raise ConfigError(f"lora.targetModules: peft cannot build these adapters: {one_line(error)}") from error
 
 
 def not_plain_linears(model: Any) -> list[str]:
-    """The model's own ``nn.Linear`` subclasses with a forward of their own (Llama 4's router returns a tuple):
-    peft's ``all-linear`` would wrap them and its ``lora.Linear`` expects a tensor back, so they keep no adapter.
-    Only classes of the model's code count: bitsandbytes' 4-bit layers are ``nn.Linear`` subclasses peft adapts."""
+    """The model's own ``nn.Linear`` subclasses with a forward of their own that does not compute as a linear layer
+    (:func:`computes_as_linear`: Llama 4's router returns a tuple, DeepSeek-V4's grouped projection maps each group
+    of its input on its own): peft's ``all-linear`` would wrap them and its ``lora.Linear`` adds ``x A B`` to what
+    they return, so they keep no adapter (Falcon's ``FalconLinear`` keeps its adapters). Only classes of the
+    model's code count: bitsandbytes' 4-bit layers are ``nn.Linear`` subclasses peft adapts."""
     return [
         name
         for name, module in model.named_modules()
         if isinstance(module, torch.nn.Linear)
         and type(module).forward is not torch.nn.Linear.forward
         and type(module).__module__.startswith("transformers.")
+        and not computes_as_linear(module)
     ]
+
+
+def computes_as_linear(linear: torch.nn.Linear) -> bool:
+    """Whether the module's own forward maps a batch of rows of its ``in_features`` to one tensor of rows of its
+    ``out_features``, as ``nn.Linear`` does: run on the meta device, its weight and bias standing in by meta
+    tensors of their shapes (whatever device, or partitioning, the module's own are on)."""
+    rows = (2, 3)
+    stand_ins = {"weight": torch.empty(linear.out_features, linear.in_features, device="meta")}
+    if linear.bias is not None:
+        stand_ins["bias"] = torch.empty(linear.out_features, device="meta")
+    try:
+        out = torch.func.functional_call(linear, stand_ins, (torch.empty(*rows, linear.in_features, device="meta"),))
+    except Exception:  # the model's own forward refusing a plain batch of rows, whatever it raises
+        return False
+    return isinstance(out, torch.Tensor) and tuple(out.shape) == (*rows, linear.out_features)
 
 
 def trains_adapters(method: Method) -> bool:
@@ -329,9 +383,7 @@ CHECKPOINTING = {"use_reentrant": False}
 def with_adapters(model: Any, lora: LoraConfig, dtype: torch.dtype, gradient_checkpointing: bool) -> Any:
     """The peft model of LoRA's adapters on ``model``: its base frozen (:func:`prepare_adapter_base`), the adapters
     in ``dtype`` (:func:`cast_trainable`). Also what the activation profiler traces (on a meta-device model)."""
-    from peft import get_peft_model
-
-    wrapped = get_peft_model(prepare_adapter_base(model, gradient_checkpointing), peft_lora_config(lora, model))
+    wrapped = adapted(prepare_adapter_base(model, gradient_checkpointing), peft_lora_config(lora, model))
     cast_trainable(wrapped, dtype)
     return wrapped
 

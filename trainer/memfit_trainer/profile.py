@@ -28,9 +28,11 @@ from typing import Any
 from memfit.api.vocabulary import ATTN_IMPLEMENTATION, Attention, TerminationReason
 from memfit.contract.lifetime import end_with_launcher
 from memfit.contract.profile_message import ProfileMessageError, encode_profile_message
+from memfit.contract.reader import ConfigError
 from memfit.contract.sections import LoraConfig
 from memfit.contract.termination import fitted_message, write_termination_message
 from memfit.profile import (
+    ActivationProfile,
     Experts,
     LoraModules,
     LoraResolution,
@@ -39,8 +41,14 @@ from memfit.profile import (
     TensorGroup,
     canonical_config_sha256,
 )
-from memfit_trainer.activation_profile import MESSAGE_LENGTH, ProfileError, activation_profile, decoder_layers_prefix
-from memfit_trainer.model import peft_lora_config
+from memfit_trainer.activation_profile import (
+    MESSAGE_LENGTH,
+    ProfileError,
+    activation_profile,
+    decoder_layers_prefix,
+    transformers_fields,
+)
+from memfit_trainer.model import adapted, peft_lora_config
 from memfit_trainer.trace_workers import default_workers, start_early
 
 EXIT_BAD_INPUT = 2
@@ -98,15 +106,14 @@ def read_hub_config(repo_id: str) -> dict[str, Any]:
     except EntryNotFoundError as error:
         raise ProfileError(f"{repo_id}: the Hub repository has no config.json") from error
     except (HfHubHTTPError, OSError, ValueError) as error:
-        reason = " ".join(str(error).split())[:MESSAGE_LENGTH] or type(error).__name__
-        raise ProfileError(f"{repo_id}: reading config.json from the Hub failed: {reason}") from error
+        raise ProfileError(f"{repo_id}: reading config.json from the Hub failed: {_reason(error)}") from error
     return read_config(Path(file))
 
 
 def build_meta_model(config: dict[str, Any]) -> Any:
-    """The model ``AutoModelForCausalLM`` builds from this config, its parameters on the meta device."""
+    """The model ``AutoModelForCausalLM`` builds from this config, its parameters on the meta device; a
+    ProfileError in one line where transformers cannot build it, or builds no decoder-only causal LM."""
     import torch
-    from huggingface_hub.errors import StrictDataclassError
     from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 
     model_type = config.get("model_type")
@@ -117,11 +124,39 @@ def build_meta_model(config: dict[str, Any]) -> Any:
     auto_model: Any = AutoModelForCausalLM  # untyped classmethods
     try:
         hf_config = AutoConfig.for_model(**config)
+    except Exception as error:  # transformers refusing the config, whatever it raises
+        raise _refusal(model_type, error) from error
+    if getattr(hf_config, "is_encoder_decoder", False):
+        raise ProfileError(
+            f"config.json: {model_type} is an encoder-decoder model: its causal LM in transformers is the decoder "
+            "alone, without the encoder it was made for; memfit plans decoder-only language models"
+        )
+    try:
         with torch.device("meta"):
-            return auto_model.from_config(hf_config)
-    except (ValueError, TypeError, StrictDataclassError) as error:
-        reason = " ".join(str(error).split())[:MESSAGE_LENGTH] or type(error).__name__
-        raise ProfileError(f"config.json: transformers refuses this {model_type} config: {reason}") from error
+            model = auto_model.from_config(hf_config)
+    except Exception as error:  # the model's own code failing on its config, whatever it raises
+        raise _refusal(model_type, error) from error
+    return model
+
+
+def _refusal(model_type: str, error: Exception) -> ProfileError:
+    """The one line for transformers failing to read or build a config: a package it needs, its refusal of the
+    config, or what its model code raised."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    if isinstance(error, ImportError):
+        return ProfileError(
+            f"config.json: building this {model_type} model needs a package not installed: {_reason(error)}"
+        )
+    if isinstance(error, (ValueError, TypeError, StrictDataclassError)):
+        return ProfileError(f"config.json: transformers refuses this {model_type} config: {_reason(error)}")
+    reason = f"{type(error).__name__}: {_reason(error)}"
+    return ProfileError(f"config.json: transformers cannot build this {model_type} model: {reason}")
+
+
+def _reason(error: BaseException) -> str:
+    """A library's exception message, on one line and cut to :data:`MESSAGE_LENGTH` characters."""
+    return " ".join(str(error).split())[:MESSAGE_LENGTH] or type(error).__name__
 
 
 def layer_role(path: str, classes: list[str]) -> Role:
@@ -174,15 +209,17 @@ def lora_resolution(model: Any, target_modules: str | tuple[str, ...], prefix: s
     (its v4-to-v5 MoE conversion), which no name match over ``nn.Linear`` modules would find.
     """
     import torch
-    from peft import get_peft_model
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     targets = [target_modules] if isinstance(target_modules, str) else list(target_modules)
     config = peft_lora_config(LoraConfig(target_modules=targets, dropout=0.0), model)  # in place: no dropout
     # The adapters made on the meta device too: peft would otherwise allocate and initialise each on the CPU
     # (seconds for a 70B model) before moving it to its base layer's meta device; only their shapes are read.
-    with torch.device("meta"):
-        wrapped: Any = get_peft_model(copy.deepcopy(model), config)
+    try:
+        with torch.device("meta"):
+            wrapped: Any = adapted(copy.deepcopy(model), config)
+    except ConfigError as error:  # what the trainer's with_adapters refuses alike
+        raise ProfileError(str(error)) from error
     groups: dict[tuple[str, str | None, int, int, int], list[int]] = {}
     for name, module in wrapped.base_model.model.named_modules():
         if isinstance(module, BaseTunerLayer):
@@ -278,11 +315,15 @@ def attention_widths(text_config: Any, layer_types: Sequence[str] = ()) -> dict[
     """Heads, key-value heads and head width of the text config's full-attention layers (``head_dim`` where it
     names one, else ``hidden_size // num_attention_heads``; key-value heads default to the heads, as without
     GQA). A config whose layers differ (Gemma 4's wider full-attention heads) is read at its first
-    full-attention layer (``per_layer_config``), or its first layer where none is."""
+    full-attention layer (``per_layer_config``), or its first layer where none is. A model without attention
+    (no ``num_attention_heads``) is one head as wide as its hidden state: nothing for sequence parallelism,
+    which splits heads, to divide."""
     per_layer = getattr(text_config, "per_layer_config", None)
     source = text_config
     if per_layer:
         source = per_layer[list(layer_types).index(FULL_ATTENTION) if FULL_ATTENTION in layer_types else 0]
+    if getattr(source, "num_attention_heads", None) is None:  # no attention: Mamba, RWKV
+        return {"num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": int(text_config.hidden_size)}
     heads = int(source.num_attention_heads)
     kv_heads = getattr(source, "num_key_value_heads", None)
     head_dim = getattr(source, "head_dim", None)
@@ -298,11 +339,13 @@ def profile(
 ) -> ModelProfile:
     """The profile of the model this config.json describes (built on the meta device), with its traced
     activation terms if asked (off by default: tens of seconds for a full-size config)."""
-    model = build_meta_model(config)
-    text = model.config.get_text_config()
+    fields = transformers_fields(config)
+    model = build_meta_model(fields)
+    text = decoder_config(model)
     num_layers = int(text.num_hidden_layers)
     layer_types = tuple(getattr(text, "layer_types", None) or [FULL_ATTENTION] * num_layers)
     prefix = decoder_layers_prefix(model, num_layers)
+    check_causal(model, prefix)
     tensors = tensor_groups(model, prefix, layer_types)
     built = sum(parameter.numel() for parameter in model.parameters())
     if sum(group.numel for group in tensors) != built:
@@ -325,8 +368,64 @@ def profile(
         attention_kernels=kernels,
         tensors=tensors,
         lora=tuple(lora_resolution(model, targets, prefix) for targets in resolved),
-        activations=activation_profile(config) if activations else None,
+        activations=traced_activations(fields, model) if activations else None,
     )
+
+
+def check_causal(model: Any, prefix: str) -> None:
+    """ProfileError where the decoder layers' modules say they attend both ways (their ``is_causal`` and
+    ``is_decoder`` flags all false: BERT's and BigBird's layers unless their config makes them a decoder): an
+    encoder, into which a causal LM's labels would leak."""
+    flags = {
+        f"{type(module).__name__}.{flag}": value
+        for module in model.get_submodule(prefix).modules()
+        for flag in ("is_causal", "is_decoder")
+        if isinstance(value := getattr(module, flag, None), bool)
+    }
+    if flags and not any(flags.values()):
+        raise ProfileError(
+            f"config.json: {type(model).__name__} is an encoder, not a causal language model: its layers attend "
+            f"both ways ({', '.join(sorted(flags))} false)"
+        )
+
+
+def decoder_config(model: Any) -> Any:
+    """The config of the model's text decoder; a ProfileError where none states its width, depth and vocabulary
+    (Byte Latent Transformer's byte-level encoder, decoder and latent transformer each state their own)."""
+    try:
+        text = model.config.get_text_config()
+    except ValueError as error:  # transformers finds several
+        raise ProfileError(f"config.json: cannot tell the text decoder's config: {_reason(error)}") from error
+    missing = [field for field in ("hidden_size", "num_hidden_layers", "vocab_size") if not hasattr(text, field)]
+    if missing:
+        raise ProfileError(
+            f"config.json: the text config of {type(model).__name__} ({type(text).__name__}) states no "
+            f"{', '.join(missing)}: memfit cannot tell its decoder's shape"
+        )
+    return text
+
+
+def traced_activations(config: dict[str, Any], model: Any) -> ActivationProfile:
+    """The activation terms :func:`~memfit_trainer.activation_profile.activation_profile` traces; a ProfileError
+    in one line where a training step of full fine-tuning, which every plan needs, fails in the model's own code
+    (a failing LoRA step only leaves LoRA unplanned: ``lora_failure``). A trace worker that died (killed, out of
+    memory) is no fault of the model's: that error goes on as raised."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    try:
+        return activation_profile(config)
+    except (ProfileError, BrokenProcessPool):
+        raise
+    except (DataDependentOutputException, DynamicOutputShapeException) as error:
+        raise ProfileError(
+            f"{type(model).__name__}: its code reads the values of tensors ({type(error).__name__}: {error}), "
+            "which a trace on fake tensors cannot know"
+        ) from error
+    except Exception as error:  # the model's own code on fake tensors, whatever it raises
+        reason = f"{type(error).__name__}: {_reason(error)}"
+        raise ProfileError(f"{type(model).__name__}: a traced training step fails in its own code: {reason}") from error
 
 
 def main(argv: Sequence[str] | None = None) -> int:
