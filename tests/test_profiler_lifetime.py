@@ -25,10 +25,11 @@ from tests.trainer.new_families import tiny_config  # noqa: E402
 FAMILIES = ("qwen3", "qwen3_moe")
 """Dense attention and experts, at tiny widths, every setup traced."""
 LAUNCHER = (
-    "import sys; from pathlib import Path; from memfit.cli.model_profiles import make_profile; "
-    "print(make_profile(Path(sys.argv[1]), activations=True))"
+    "import faulthandler, signal, sys; faulthandler.register(signal.SIGUSR1); from pathlib import Path; "
+    "from memfit.cli.model_profiles import make_profile; print(make_profile(Path(sys.argv[1]), activations=True))"
 )
-"""What stands for ``memfit plan``: it profiles a model directory as ``memfit plan`` does."""
+"""What stands for ``memfit plan``: it profiles a model directory as ``memfit plan`` does (SIGUSR1 prints where
+each of its threads is, for a launcher that does not end when it should)."""
 PROFILE_SECONDS = 840
 """The bound on the profiles, under the suite's 900 s per test: a hung one never ends (three with Gated DeltaNet took 9
 minutes at once on 2 cores under a load average of 9)."""
@@ -127,6 +128,18 @@ def test_nothing_outlives_memfit_killed_or_interrupted_mid_profile(tmp_path: Pat
         trees[sig].update(_descendants(launcher.pid))  # the second worker, forked since
         launcher.send_signal(sig)
     for sig, launcher in launchers.items():
-        launcher.communicate(timeout=GONE_SECONDS)
+        _ended(launcher, sig)
         assert launcher.returncode != 0, sig.name
         _all_ended(trees[sig])
+
+
+def _ended(launcher: subprocess.Popen[str], sig: signal.Signals) -> None:
+    """The launcher ended within :data:`GONE_SECONDS` of ``sig``; else where its threads were, then it is killed."""
+    try:
+        launcher.communicate(timeout=GONE_SECONDS)
+    except subprocess.TimeoutExpired:
+        launcher.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        launcher.kill()
+        stacks = launcher.communicate()[1]
+        pytest.fail(f"a launcher sent {sig.name} still ran after {GONE_SECONDS} s; its threads:\n{stacks[-6000:]}")
