@@ -143,3 +143,18 @@ def _ended(launcher: subprocess.Popen[str], sig: signal.Signals) -> None:
         launcher.kill()
         stacks = launcher.communicate()[1]
         pytest.fail(f"a launcher sent {sig.name} still ran after {GONE_SECONDS} s; its threads:\n{stacks[-6000:]}")
+
+
+def test_trace_workers_start_under_a_temporary_directory_too_deep_for_a_socket(tmp_path: Path) -> None:
+    """The fork server listens on a Unix socket in multiprocessing's temporary directory, whose path may not
+    exceed 107 bytes: under a deeper ``TMPDIR`` (a pod's, a test's) it is made in a system one instead."""
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    code = (
+        "import multiprocessing.util, sys; from memfit_trainer.trace_workers import trace_workers\n"
+        "with trace_workers(2) as pool: print(list(pool.map(abs, [-1, -2])), multiprocessing.util.get_temp_dir())"
+    )
+    env = {**os.environ, "TMPDIR": str(deep)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("[1, 2] ") and not done.stdout.split()[-1].startswith(str(deep)), done.stdout

@@ -18,9 +18,11 @@ or the profiler already has: no worker outlives the profiler, however it ends (`
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.util
 import os
 import signal
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from contextlib import contextmanager
@@ -80,6 +82,34 @@ def _forked(workers: int) -> bool:
     return workers >= 2 and "forkserver" in multiprocessing.get_all_start_methods()
 
 
+SOCKET_PATH_LIMIT = 107
+"""The longest path a Unix socket may have on Linux (``sun_path`` holds 108 bytes, its NUL included)."""
+SOCKET_NAMES = len("/pymp-12345678/listener-12345678")
+"""What multiprocessing adds to its temporary directory's parent for the fork server's socket."""
+SYSTEM_TEMP_DIRS = ("/tmp", "/var/tmp", "/usr/tmp")
+"""Python's own choices after the environment's (``tempfile``), for a ``TMPDIR`` too long to hold a socket."""
+
+
+def _socket_directory() -> None:
+    """multiprocessing's temporary directory, where the fork server's socket is made, in ``TMPDIR`` where a socket
+    path there fits, else in the first system temporary directory that does and is writable (Python 3.11 does not
+    fall back by itself: its fork server fails with "AF_UNIX path too long" under a deep ``TMPDIR``, a pod's or a
+    test's). Nothing changes where multiprocessing made its directory already."""
+    usual = tempfile.gettempdir()
+    if len(usual) + SOCKET_NAMES <= SOCKET_PATH_LIMIT:
+        return
+    fits = [
+        d for d in SYSTEM_TEMP_DIRS if len(d) + SOCKET_NAMES <= SOCKET_PATH_LIMIT and os.access(d, os.W_OK | os.X_OK)
+    ]
+    if not fits:
+        return  # the fork server then says why it cannot start
+    saved, tempfile.tempdir = tempfile.tempdir, fits[0]
+    try:
+        multiprocessing.util.get_temp_dir()
+    finally:
+        tempfile.tempdir = saved
+
+
 def _fork_server() -> BaseContext:
     """The forkserver context, its server started single-threaded with :data:`PRELOADED` imported (a server
     already running, started by an earlier call in this process, is used as it is)."""
@@ -89,6 +119,7 @@ def _fork_server() -> BaseContext:
     saved = {name: os.environ.get(name) for name in environment}
     os.environ.update(environment)
     try:
+        _socket_directory()
         forkserver.ensure_running()
     finally:
         for name, value in saved.items():
