@@ -138,11 +138,15 @@ def _ended(launcher: subprocess.Popen[str], sig: signal.Signals) -> None:
     try:
         launcher.communicate(timeout=GONE_SECONDS)
     except subprocess.TimeoutExpired:
+        status = Path(f"/proc/{launcher.pid}/status").read_text(encoding="utf-8")
+        masks = [line for line in status.splitlines() if line.startswith(("SigBlk", "SigIgn", "SigCgt"))]
         launcher.send_signal(signal.SIGUSR1)
         time.sleep(2)
         launcher.kill()
         stacks = launcher.communicate()[1]
-        pytest.fail(f"a launcher sent {sig.name} still ran after {GONE_SECONDS} s; its threads:\n{stacks[-6000:]}")
+        pytest.fail(
+            f"a launcher sent {sig.name} still ran after {GONE_SECONDS} s ({masks}); its threads:\n{stacks[-6000:]}"
+        )
 
 
 def test_trace_workers_start_under_a_temporary_directory_too_deep_for_a_socket(tmp_path: Path) -> None:
