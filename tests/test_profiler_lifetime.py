@@ -25,11 +25,15 @@ from tests.trainer.new_families import tiny_config  # noqa: E402
 FAMILIES = ("qwen3", "qwen3_moe")
 """Dense attention and experts, at tiny widths, every setup traced."""
 LAUNCHER = (
-    "import faulthandler, signal, sys; faulthandler.register(signal.SIGUSR1); from pathlib import Path; "
+    "import faulthandler, signal, sys; faulthandler.register(signal.SIGUSR1); "
+    "signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
+    "from pathlib import Path; "
     "from memfit.cli.model_profiles import make_profile; print(make_profile(Path(sys.argv[1]), activations=True))"
 )
 """What stands for ``memfit plan``: it profiles a model directory as ``memfit plan`` does (SIGUSR1 prints where
-each of its threads is, for a launcher that does not end when it should)."""
+each of its threads is, for a launcher that does not end when it should). Its Ctrl-C is set as a shell sets a
+foreground job's: a pytest worker may hand it SIGINT ignored or blocked, left so by an earlier test."""
 PROFILE_SECONDS = 840
 """The bound on the profiles, under the suite's 900 s per test: a hung one never ends (three with Gated DeltaNet took 9
 minutes at once on 2 cores under a load average of 9)."""
