@@ -30,7 +30,7 @@ from memfit.contract.lifetime import end_with_launcher
 from memfit.contract.profile_message import ProfileMessageError, encode_profile_message
 from memfit.contract.reader import ConfigError
 from memfit.contract.sections import LoraConfig
-from memfit.contract.termination import fitted_message, write_termination_message
+from memfit.contract.termination import fitted_message, one_line, write_termination_message
 from memfit.profile import (
     ActivationProfile,
     Experts,
@@ -156,7 +156,7 @@ def _refusal(model_type: str, error: Exception) -> ProfileError:
 
 def _reason(error: BaseException) -> str:
     """A library's exception message, on one line and cut to :data:`MESSAGE_LENGTH` characters."""
-    return " ".join(str(error).split())[:MESSAGE_LENGTH] or type(error).__name__
+    return one_line(error)[:MESSAGE_LENGTH]
 
 
 def layer_role(path: str, classes: list[str]) -> Role:
